@@ -1,0 +1,269 @@
+"""K&K datasets: build, save and load them as JSONL with the HF dataset's fields, and export the Logic-RL/verl parquet.
+
+Layout on disk (the HF dataset K-and-K/knights-and-knaves uses the same):
+
+    data/kk/train/people3_num800.jsonl      one record per line (Puzzle.to_record())
+    data/kk/test/people3_num100.jsonl
+
+Train and test never share a statement set: the test split is drawn first and the train split skips every
+statement set already used. Every puzzle's seed is derived from (seed, split, people, index), so a dataset is the
+same on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from lopti_lab.kk.generate import Puzzle, generate_puzzle
+from lopti_lab.kk.reward import instruct_prompt
+
+SPLITS = ("train", "test")
+DEFAULT_PEOPLE = tuple(range(2, 9))
+# 2 people admit only 395 distinct statement sets with one solution (tests/test_kk_data.py counts them), so the
+# default 2-people train split is smaller.
+DEFAULT_TRAIN_SIZES = {2: 200}
+DEFAULT_TRAIN_SIZE = 800
+HF_REPO = "K-and-K/knights-and-knaves"
+
+
+def puzzle_seed(seed: int, split: str, n_people: int, index: int) -> int:
+    """A 63-bit seed for one puzzle, stable across Python versions and machines."""
+    digest = hashlib.sha256(f"lopti_lab/kk/{seed}/{split}/{n_people}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _people_list(people: int | Iterable[int]) -> list[int]:
+    out = [people] if isinstance(people, int) else list(people)
+    if not out:
+        raise ValueError("people: empty")
+    return out
+
+
+def build_dataset(
+    people: int | Iterable[int] = DEFAULT_PEOPLE,
+    train_size: int | dict[int, int] | None = None,
+    test_size: int = 100,
+    seed: int = 0,
+    depth: int = 2,
+    width: int = 2,
+    out: str | Path | None = None,
+    exclude: Iterable[Puzzle] = (),
+    progress: bool = False,
+) -> dict[tuple[str, int], list[Puzzle]]:
+    """Generate train and test puzzles per people count; save them under ``out`` if given.
+
+    ``train_size``: one size for every people count, or {n_people: size}; None = 800 (200 for 2 people).
+    ``exclude``: puzzles whose statement sets must not appear (e.g. a real test split). Returns
+    {(split, n_people): [Puzzle, ...]}.
+    """
+    people = _people_list(people)
+    if train_size is None:
+        train_size = {n: DEFAULT_TRAIN_SIZES.get(n, DEFAULT_TRAIN_SIZE) for n in people}
+    train_sizes = train_size if isinstance(train_size, dict) else dict.fromkeys(people, train_size)
+    for name, value in [("test_size", test_size)] + [(f"train_size[{n}]", train_sizes.get(n)) for n in people]:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    for n in people:
+        generate_puzzle(n, seed=0, depth=depth, width=width)  # validates n, depth and width before any long work
+    seen = {p.statements for p in exclude}
+    total = sum(train_sizes[n] + test_size for n in people)
+    bar = _progress(total, progress, "K&K puzzles")
+    result: dict[tuple[str, int], list[Puzzle]] = {}
+    for split in ("test", "train"):  # test first, so train avoids its statement sets
+        for n in people:
+            puzzles: list[Puzzle] = []
+            attempt = 0
+            size = test_size if split == "test" else train_sizes[n]
+            while len(puzzles) < size:
+                if attempt > 20 * size + 2000:
+                    raise ValueError(
+                        f"cannot draw {size} distinct {n}-people {split} puzzles beside the {len(seen)} already drawn "
+                        "(2 people have only 395 distinct puzzles); ask for fewer"
+                    )
+                p = generate_puzzle(n, puzzle_seed(seed, split, n, attempt), depth, width, index=len(puzzles))
+                attempt += 1
+                if p.statements in seen:
+                    continue
+                seen.add(p.statements)
+                puzzles.append(p)
+                bar.update(1)
+            result[(split, n)] = puzzles
+    bar.close()
+    if out is not None:
+        for (split, n), puzzles in result.items():
+            save_jsonl(puzzles, Path(out) / split / f"people{n}_num{len(puzzles)}.jsonl")
+    return result
+
+
+def save_jsonl(puzzles: Iterable[Puzzle], path: str | Path) -> Path:
+    """One K&K record per line, loadable by ``datasets.load_dataset("json", data_files=path)``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for p in puzzles:
+            f.write(json.dumps(p.to_record(), ensure_ascii=False) + "\n")
+    return path
+
+
+def load_jsonl(path: str | Path, limit: int | None = None, check: bool = True) -> list[Puzzle]:
+    """Read K&K records; a bad line raises ValueError naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"K&K file not found: {path}")
+    puzzles = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(puzzles) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                puzzles.append(Puzzle.from_record(json.loads(line), check=check))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{path} line {lineno}: {err}") from err
+    return puzzles
+
+
+def split_files(split: str, people: int | Iterable[int], root: str | Path | None = None) -> list[Path]:
+    """The JSONL file of each people count in a split folder (``root/split/people{n}_num*.jsonl``)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if root is None:
+        from lopti_lab.paths import data_dir
+
+        root = data_dir() / "kk"
+    files = []
+    for n in _people_list(people):
+        found = sorted(Path(root, split).glob(f"people{n}_num*.jsonl"))
+        if not found:
+            raise FileNotFoundError(f"no {split} file for {n} people under {Path(root, split)} (people{n}_num*.jsonl)")
+        files.append(found[-1])
+    return files
+
+
+def load_split(
+    split: str, people: int | Iterable[int], root: str | Path | None = None, limit: int | None = None
+) -> list[Puzzle]:
+    """Puzzles of one split for the given people counts, ``limit`` per count, from the bundled data by default."""
+    return [p for path in split_files(split, people, root) for p in load_jsonl(path, limit=limit)]
+
+
+def load_hf(
+    split: str = "test",
+    people: int | Iterable[int] = DEFAULT_PEOPLE,
+    repo: str = HF_REPO,
+    limit: int | None = None,
+) -> list[Puzzle]:
+    """The real K&K dataset from the Hugging Face hub (needs network and ``datasets``), or from a local folder with
+    the hub's layout (``repo`` is then a path holding ``{split}/people{n}_num*.jsonl``)."""
+    if Path(repo).is_dir():
+        return load_split(split, people, root=repo, limit=limit)
+    try:
+        from datasets import load_dataset
+    except ImportError as err:
+        raise ImportError("load_hf needs the `datasets` package: pip install datasets") from err
+    puzzles = []
+    for n in _people_list(people):
+        rows = load_dataset(repo, data_files={split: f"{split}/people{n}_num*.jsonl"}, split=split)
+        for i, row in enumerate(rows):
+            if limit is not None and i >= limit:
+                break
+            puzzles.append(Puzzle.from_record(dict(row)))
+    return puzzles
+
+
+# --- Logic-RL / verl parquet -----------------------------------------------------------------------------------------
+
+
+def to_logic_rl_rows(puzzles: Sequence[Puzzle], split: str = "train") -> list[dict]:
+    """Rows in the Logic-RL/verl training layout: the record's fields plus data_source, prompt (chat list holding the
+    instruct prompt), ability, reward_model.ground_truth and extra_info."""
+    rows = []
+    for i, p in enumerate(puzzles):
+        record = p.to_record()
+        ground_truth = {"solution_text_format": record["solution_text_format"], "statements": record["statements"]}
+        record.update(
+            data_source="kk_logic",
+            prompt=[{"content": instruct_prompt(p), "role": "user"}],
+            ability="logic",
+            reward_model={"ground_truth": ground_truth, "style": "rule"},
+            extra_info={"index": i, "split": split},
+        )
+        rows.append(record)
+    return rows
+
+
+def export_parquet(puzzles: Sequence[Puzzle], path: str | Path, split: str = "train") -> Path:
+    """Write puzzles as a Logic-RL/verl parquet file (what their ``main_ppo`` reads)."""
+    import pandas as pd
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(to_logic_rl_rows(puzzles, split)).to_parquet(path, index=False)
+    return path
+
+
+def read_parquet(path: str | Path) -> list[Puzzle]:
+    """Puzzles from a Logic-RL/verl parquet file (ours or theirs)."""
+    import pandas as pd
+
+    frame = pd.read_parquet(path)
+    return [Puzzle.from_record({k: _plain(v) for k, v in row.items()}) for row in frame.to_dict("records")]
+
+
+def _plain(value):
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+# --- CLI -------------------------------------------------------------------------------------------------------------
+
+
+def parse_people(text: str) -> list[int]:
+    """'2-8' -> [2, ..., 8]; '3,5,7' -> [3, 5, 7]; '4' -> [4]."""
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text)
+    if m:
+        lo, hi = int(m.group(1)), int(m.group(2))
+        if lo > hi:
+            raise ValueError(f"people range {text!r} is empty")
+        return list(range(lo, hi + 1))
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"people must look like '2-8' or '3,5,7', got {text!r}") from None
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, unit="puzzle")
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("data", help="build K&K train/test datasets (JSONL, optionally Logic-RL parquet)")
+    p.add_argument("--people", default="2-8", help="people counts, e.g. 2-8 or 3,5,7 (default 2-8)")
+    p.add_argument("--train-size", type=int, default=None,
+                   help="train puzzles per people count (default 800, 200 for 2 people)")  # fmt: skip
+    p.add_argument("--test-size", type=int, default=100, help="test puzzles per people count (default 100)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="data/kk", help="output folder (default data/kk)")
+    p.add_argument("--parquet", action="store_true", help="also write Logic-RL/verl parquet files per split")
+    p.set_defaults(func=_cli_data)
+
+
+def _cli_data(args) -> int:
+    try:
+        people = parse_people(args.people)
+        built = build_dataset(people, args.train_size, args.test_size, args.seed, out=args.out, progress=True)
+    except ValueError as err:
+        raise SystemExit(f"lopti-lab data: {err}") from None
+    if args.parquet:
+        for split in SPLITS:
+            puzzles = [p for (s, _), ps in built.items() if s == split for p in ps]
+            export_parquet(puzzles, Path(args.out) / f"{split}.parquet", split=split)
+    counts = ", ".join(f"{s}/{n}ppl: {len(ps)}" for (s, n), ps in sorted(built.items()))
+    print(f"wrote {args.out} ({counts})")
+    return 0

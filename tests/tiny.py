@@ -1,0 +1,66 @@
+"""Tiny, random-weight Qwen2 models and a locally built tokenizer for tests (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
+
+_CORPUS = [
+    "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and knaves "
+    "always lie. You meet 3 inhabitants: Zoey, Oliver, and Emma.",
+    'Zoey said that Oliver is a knight. Oliver stated, "Emma is a knave if and only if Zoey is a knight".',
+    "If Emma is a knave then Oliver is a knight. So who is a knight and who is a knave?",
+    "(1) Zoey is a knight\n(2) Oliver is a knave\n(3) Emma is a knight",
+    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and then "
+    "provides the user with the answer.",
+]
+
+
+def tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with Qwen's chat specials and template: every string encodes, decode(encode(s)) == s."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.add_tokens(TAGS)
+    return fast
+
+
+def tiny_qwen2(vocab_size: int, hidden: int = 32, layers: int = 2, seed: int = 0, **overrides) -> Qwen2ForCausalLM:
+    """A random-weight Qwen2ForCausalLM small enough for exact float64 gradient checks."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        **overrides,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.eval()
+    return model
