@@ -14,6 +14,8 @@ import sys
 # subcommand name -> module that implements it (its add_cli adds the parser)
 SUBCOMMANDS: dict[str, str] = {
     "data": "lopti_lab.kk.data",
+    "train": "lopti_lab.trainer",
+    "eval": "lopti_lab.trainer",
 }
 
 

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-"$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "lopti_lab needs Python 3.10+"'
+"$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), "lopti_lab needs Python 3.11+"'
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 # torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on a CPU-only machine.

@@ -115,8 +115,9 @@ def test_hf_loader_reads_the_hub_layout_from_a_folder(shared_kk):
 def test_parquet_export_matches_logic_rl_file(shared_kk, tmp_path):
     reference = pd.read_parquet(shared_kk / "logic_rl_3ppl_test.parquet")
     puzzles = read_parquet(shared_kk / "logic_rl_3ppl_test.parquet")
-    assert len(puzzles) == 100 and all(instruct_prompt(p) == row[0]["content"]
-                                       for p, row in zip(puzzles, reference["prompt"]))  # fmt: skip
+    assert len(puzzles) == 100 and all(
+        instruct_prompt(p) == row[0]["content"] for p, row in zip(puzzles, reference["prompt"])
+    )
     ours = pd.read_parquet(export_parquet(puzzles, tmp_path / "kk.parquet", split="test"))
     assert list(ours.columns) == list(reference.columns)
     for column in ("quiz", "solution_text_format", "statements", "index", "data_source", "ability"):
@@ -140,8 +141,9 @@ def test_parse_people():
 
 def test_cli_data_writes_files(tmp_path, capsys):
     out = tmp_path / "kk"
-    assert main(["data", "--people", "2-3", "--train-size", "20", "--test-size", "5", "--out", str(out),
-                 "--parquet"]) == 0  # fmt: skip
+    assert (
+        main(["data", "--people", "2-3", "--train-size", "20", "--test-size", "5", "--out", str(out), "--parquet"]) == 0
+    )
     assert sorted(p.name for p in (out / "train").iterdir()) == ["people2_num20.jsonl", "people3_num20.jsonl"]
     assert len(read_parquet(out / "test.parquet")) == 10
     assert "wrote" in capsys.readouterr().out

@@ -245,8 +245,9 @@ def _progress(total: int, enabled: bool, desc: str):
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("data", help="build K&K train/test datasets (JSONL, optionally Logic-RL parquet)")
     p.add_argument("--people", default="2-8", help="people counts, e.g. 2-8 or 3,5,7 (default 2-8)")
-    p.add_argument("--train-size", type=int, default=None,
-                   help="train puzzles per people count (default 800, 200 for 2 people)")  # fmt: skip
+    p.add_argument(
+        "--train-size", type=int, default=None, help="train puzzles per people count (default 800, 200 for 2 people)"
+    )
     p.add_argument("--test-size", type=int, default=100, help="test puzzles per people count (default 100)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="data/kk", help="output folder (default data/kk)")
@@ -267,3 +268,29 @@ def _cli_data(args) -> int:
     counts = ", ".join(f"{s}/{n}ppl: {len(ps)}" for (s, n), ps in sorted(built.items()))
     print(f"wrote {args.out} ({counts})")
     return 0
+
+
+# --- statistics -------------------------------------------------------------------------------------------------------
+
+
+def dataset_stats(puzzles: Iterable[Puzzle]):
+    """One row per puzzle (people, knights share, quiz words, statement kinds, trace steps, backtracks), as a
+    DataFrame: ``dataset_stats(load_split("train", range(2, 9))).groupby("people").mean(numeric_only=True)``."""
+    import pandas as pd
+
+    rows = []
+    for p in puzzles:
+        kinds = ["leaf" if s[0] in ("telling-truth", "lying") else s[0] for s in p.statements]
+        steps = p.trace()
+        rows.append(
+            {
+                "people": p.n_people,
+                "knight_share": sum(p.solution) / p.n_people,
+                "quiz_words": len(p.quiz.split()),
+                "trace_steps": len(steps),
+                "backtracks": sum(s.kind == "backtrack" for s in steps),
+                "compact_trace_words": len(p.compact_trace().split()),
+                **{f"kind_{k}": kinds.count(k) / p.n_people for k in ("leaf", "not", "and", "or", "->", "<=>")},
+            }
+        )
+    return pd.DataFrame(rows)

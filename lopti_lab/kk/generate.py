@@ -171,8 +171,10 @@ def render_cot(steps: Sequence[TraceStep], names: Sequence[str], statements: Seq
             )
         elif step.kind == "backtrack":
             gone = join_names([names[p] for p in step.exhausted])
-            out.append(f"We have exhausted all possibilities for {gone}, so let us go back and reconsider "
-                       f"{names[step.person]}.")  # fmt: skip
+            out.append(
+                f"We have exhausted all possibilities for {gone}, so let us go back and reconsider "
+                f"{names[step.person]}."
+            )
         elif step.kind == "fail":
             out.append("Every possibility leads to a contradiction, so the puzzle has no solution.")
     return out
@@ -236,8 +238,11 @@ class Puzzle:
             raise ValueError(f"Puzzle: names must be distinct, got {self.names}")
         set_(self, "cot_repeat_steps", tuple(self.cot_repeat_steps))
         if not self.cot_repeat_steps:
-            set_(self, "cot_repeat_steps", tuple(render_cot(solver_trace(self.statements)[0], self.names,
-                                                            self.statements)))  # fmt: skip
+            set_(
+                self,
+                "cot_repeat_steps",
+                tuple(render_cot(solver_trace(self.statements)[0], self.names, self.statements)),
+            )
 
     @property
     def solution_text(self) -> str:

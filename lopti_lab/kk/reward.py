@@ -61,7 +61,7 @@ BASE_INSTRUCTION = (
     "answer, one per line, for example <answer> (1) Zoey is a knight\n(2) Oliver is a knave </answer>."
 )
 RESPONSE_PREFIX = "<think>"
-PROMPT_STYLES = ("instruct", "base", "chat")
+PROMPT_STYLES = ("instruct", "base", "chat", "chat_quiz")
 
 
 def instruct_prompt(puzzle: Puzzle) -> str:
@@ -78,27 +78,27 @@ def base_prompt(puzzle: Puzzle) -> str:
     return f"{BASE_INSTRUCTION}\n\nUser: {puzzle.quiz}\nAssistant: {RESPONSE_PREFIX}"
 
 
-def chat_messages(puzzle: Puzzle) -> list[dict[str, str]]:
-    """The same request as messages for ``tokenizer.apply_chat_template`` (system prompt + quiz)."""
-    return [
-        {"role": "system", "content": LOGIC_RL_SYSTEM.rstrip("\n")},
-        {"role": "user", "content": puzzle.quiz},
-    ]
+def chat_messages(puzzle: Puzzle, system: bool = True) -> list[dict[str, str]]:
+    """The same request as messages for ``tokenizer.apply_chat_template`` (system prompt, if asked, + quiz)."""
+    messages = [{"role": "system", "content": LOGIC_RL_SYSTEM.rstrip("\n")}] if system else []
+    return [*messages, {"role": "user", "content": puzzle.quiz}]
 
 
 def build_prompt(puzzle: Puzzle, style: str = "instruct", tokenizer=None) -> str:
     """The prompt text in one of PROMPT_STYLES; every style ends with "<think>", so a response starts inside it.
 
-    "chat" renders ``chat_messages`` with the tokenizer's own chat template (and its generation prompt).
+    "chat" renders ``chat_messages`` with the tokenizer's own chat template (and its generation prompt);
+    "chat_quiz" does the same without the system prompt (the quiz alone: short prompts for the tiny lab model).
     """
     if style == "instruct":
         return instruct_prompt(puzzle)
     if style == "base":
         return base_prompt(puzzle)
-    if style == "chat":
+    if style in ("chat", "chat_quiz"):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("prompt style 'chat' needs a tokenizer with a chat_template")
-        text = tokenizer.apply_chat_template(chat_messages(puzzle), tokenize=False, add_generation_prompt=True)
+            raise ValueError(f"prompt style {style!r} needs a tokenizer with a chat_template")
+        messages = chat_messages(puzzle, system=style == "chat")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return text + RESPONSE_PREFIX
     raise ValueError(f"prompt style must be one of {PROMPT_STYLES}, got {style!r}")
 
@@ -179,8 +179,13 @@ def score(completion: str, puzzle: Puzzle, strict: bool = False) -> Reward:
             problems.append("text after </answer>")
     blocks = _ANSWER_BLOCK.findall(completion)
     answer_text = blocks[-1].strip() if blocks else None
-    details = {"format_ok": not problems, "format_problems": problems, "answer_text": answer_text,
-               "predicted": None, "expected": expected}  # fmt: skip
+    details = {
+        "format_ok": not problems,
+        "format_problems": problems,
+        "answer_text": answer_text,
+        "predicted": None,
+        "expected": expected,
+    }
     format_score = FORMAT_PENALTY if problems else FORMAT_REWARD
     if problems:
         outcome, answer_score = "bad_format", ANSWER_UNPARSEABLE

@@ -1,0 +1,383 @@
+"""The lab model: a tiny Qwen2-architecture K&K reasoner that runs the whole experiment on a laptop CPU.
+
+Three parts, all reproducible from ``lopti-lab pretrain``:
+
+1. A byte-level BPE tokenizer trained on K&K text (quizzes, prompts, chains of thought, answers) with Qwen's chat
+   special tokens and a Qwen-style chat template. Byte-level means every string encodes and decodes back exactly
+   (no unknown tokens); the reasoning tags <think>, </think>, <answer>, </answer> are single tokens that decode
+   as text, so rewards see them.
+2. A Qwen2ForCausalLM of a few million parameters (``LAB_CONFIG``), loaded through ``transformers`` like any hub
+   model, so rollouts, the trainer, LoRA and the probes run the same code as for Qwen2.5.
+3. ``pretrain``: a supervised warm start on solver traces (the compact chain of thought, then the answer) for
+   2-5 people, leaving room for RL on the harder puzzles.
+
+The lab model reads the quiz through its chat template without the long Logic-RL system prompt (prompt style
+``"chat_quiz"``), which keeps sequences short enough to train on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from lopti_lab.kk import NAMES, Puzzle, build_prompt, generate_puzzle, instruct_prompt
+from lopti_lab.kk.data import load_split, puzzle_seed
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tokenizer
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TAG_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LAB_PROMPT_STYLE = "chat_quiz"
+TOKENIZER_VOCAB = 1024
+
+
+def lab_response(puzzle: Puzzle) -> str:
+    """The supervised target after the prompt's "<think>": the compact solver trace, then the answer.
+
+    >>> p = generate_puzzle(2, 0)
+    >>> lab_response(p).endswith("</think><answer>" + p.solution_text_format + "</answer>")
+    True
+    """
+    return f" {puzzle.compact_trace()}</think><answer>{puzzle.solution_text_format}</answer>"
+
+
+def tokenizer_corpus(n_puzzles: int = 3000, seed: int = 0) -> list[str]:
+    """Text the BPE merges are learned from: generated quizzes for 2-8 people in every prompt style, their chains of
+    thought, compact traces and answers, and every name in every position."""
+    texts = []
+    for i in range(n_puzzles):
+        p = generate_puzzle(2 + i % 7, puzzle_seed(seed, "tokenizer", 2 + i % 7, i))
+        texts += [instruct_prompt(p), p.quiz, lab_response(p), " ".join(p.cot_repeat_steps), p.solution_text]
+    texts += [f'"{n} is a knight," {n} said. {n}\'s {n}' for n in NAMES]
+    return texts
+
+
+def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB, n_puzzles: int = 3000, seed: int = 0):
+    """Train the lab tokenizer (a few seconds) and wrap it as a transformers PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(TAG_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tokenizer_corpus(n_puzzles, seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+        model_max_length=2048,
+    )
+    fast.add_tokens(list(TAG_TOKENS))  # plain added tokens: atomic, and kept by decode(skip_special_tokens=True)
+    return fast
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# model
+
+
+@dataclass(frozen=True)
+class LabModelSpec:
+    """The lab model's shape (a Qwen2 config) and its warm start. Defaults are the bundled model's."""
+
+    hidden_size: int = 256
+    """Width of the residual stream."""
+    intermediate_size: int = 640
+    """Width of the SwiGLU MLP."""
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 1024
+
+    def qwen2_config(self, tokenizer):
+        from transformers import Qwen2Config
+
+        return Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+
+
+def build_model(tokenizer, spec: LabModelSpec = LabModelSpec(), seed: int = 0):
+    """A freshly initialised lab model (random weights, seeded)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(spec.qwen2_config(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# supervised warm start
+
+
+@dataclass
+class PretrainConfig:
+    """Supervised warm start of the lab model on compact solver traces."""
+
+    people: tuple[int, ...] = (2, 3, 4, 5)
+    """People counts of the training puzzles (one count per batch, drawn with ``people_weights``)."""
+    people_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
+    steps: int = 1200
+    """Optimizer steps (the run also stops at ``max_minutes``)."""
+    max_minutes: float = 60.0
+    batch_size: int = 64
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    """Cosine decay from lr to lr * min_lr_ratio over ``steps``."""
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 200
+    eval_size: int = 50
+    """Test puzzles per people count for the greedy accuracy printed during training."""
+    spec: LabModelSpec = field(default_factory=LabModelSpec)
+    threads: int | None = None
+    """torch threads (None: torch's default)."""
+
+    def __post_init__(self):
+        if isinstance(self.spec, dict):
+            self.spec = LabModelSpec(**self.spec)
+        self.people, self.people_weights = tuple(self.people), tuple(self.people_weights)
+        if len(self.people) != len(self.people_weights) or not self.people:
+            raise ValueError("people and people_weights must be non-empty and of equal length")
+        for name in ("steps", "batch_size", "eval_every", "eval_size", "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+
+
+def encode_example(tokenizer, puzzle: Puzzle) -> tuple[list[int], int]:
+    """Token ids of prompt + target response + <|im_end|>, and the prompt length (the loss starts after it)."""
+    prompt = tokenizer(build_prompt(puzzle, LAB_PROMPT_STYLE, tokenizer), add_special_tokens=False)["input_ids"]
+    response = tokenizer(lab_response(puzzle), add_special_tokens=False)["input_ids"]
+    return prompt + response + [tokenizer.eos_token_id], len(prompt)
+
+
+def collate(examples: Sequence[tuple[list[int], int]], pad_id: int):
+    """Right-padded (input_ids, attention_mask, labels) with labels -100 on prompt and padding."""
+    import torch
+
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # (N, L)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)  # (N, L)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)  # (N, L)
+    for row, (ids, n_prompt) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        attention_mask[row, : len(ids)] = 1
+    return input_ids, attention_mask, labels
+
+
+def held_out_statements(people: Iterable[int]) -> set:
+    """Statement sets of the bundled test split: the warm start never trains on them."""
+    return {p.statements for p in load_split("test", list(people))}
+
+
+def lr_at(step: int, config: PretrainConfig) -> float:
+    """Linear warmup, then cosine decay to lr * min_lr_ratio."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class TraceStream:
+    """Warm-start examples: fresh generated puzzles (never a test-split statement set), one people count per batch so
+    padding stays small. Deterministic in (seed, batch index)."""
+
+    def __init__(self, tokenizer, config: PretrainConfig):
+        self.tokenizer, self.config = tokenizer, config
+        self.held_out = held_out_statements(config.people)
+        self.rng = random.Random(config.seed)
+        self.counter = 0
+
+    def batch(self):
+        n = self.rng.choices(self.config.people, self.config.people_weights)[0]
+        examples = []
+        while len(examples) < self.config.batch_size:
+            p = generate_puzzle(n, puzzle_seed(self.config.seed, "pretrain", n, self.counter))
+            self.counter += 1
+            if p.statements not in self.held_out:
+                examples.append(encode_example(self.tokenizer, p))
+        return n, collate(examples, self.tokenizer.pad_token_id)
+
+
+def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> dict:
+    """Train the lab model from scratch on compact solver traces and save it (tokenizer, config, safetensors weights,
+    and ``lab_model.json`` with the config, the loss curve, test accuracy and wall time) to ``out``.
+
+    Stops after ``config.steps`` optimizer steps or ``config.max_minutes``, whichever comes first.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from lopti_lab.trainer import evaluate
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    start = time.perf_counter()
+    tokenizer = build_tokenizer(seed=config.seed)
+    model = build_model(tokenizer, config.spec, seed=config.seed)
+    model.train()
+    stream = TraceStream(tokenizer, config)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.95),
+    )
+    test = [p for n in config.people for p in load_split("test", n, limit=config.eval_size)]
+    log: list[dict] = []
+    bar = tqdm(total=config.steps, desc="lab model warm start", disable=not progress)
+    step = 0
+    while step < config.steps and time.perf_counter() - start < 60 * config.max_minutes:
+        n, (input_ids, attention_mask, labels) = stream.batch()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        record = {
+            "step": step,
+            "people": n,
+            "loss": loss.item(),
+            "grad_norm": grad_norm.item(),
+            "lr": lr_at(step - 1, config),
+            "minutes": (time.perf_counter() - start) / 60,
+        }
+        if step % config.eval_every == 0:
+            record.update(
+                evaluate(
+                    model,
+                    tokenizer,
+                    test,
+                    prompt_style=LAB_PROMPT_STYLE,
+                    max_new_tokens=256,
+                    modes=("greedy",),
+                    prefix="test",
+                )
+            )
+            model.train()
+        log.append(record)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", ppl=n)
+        bar.update(1)
+    bar.close()
+    model.eval()
+    final = evaluate(model, tokenizer, test, prompt_style=LAB_PROMPT_STYLE, max_new_tokens=256, prefix="test")
+    summary = {
+        "config": asdict(config),
+        "steps_done": step,
+        "minutes": (time.perf_counter() - start) / 60,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "final_eval": final,
+        "log": log,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    save_lab_model(model, tokenizer, out, summary)
+    return summary
+
+
+def save_lab_model(model, tokenizer, out: str | Path, summary: dict) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "lab_model.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return out
+
+
+def lab_model_dir() -> Path:
+    from lopti_lab.paths import data_dir
+
+    return data_dir() / "lab_model"
+
+
+def load_lab_model(path: str | Path | None = None, device: str = "cpu", dtype=None):
+    """The bundled lab model and its tokenizer, offline (local files only)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path) if path is not None else lab_model_dir()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"lab model not found at {path}: build it with `lopti-lab pretrain --out {path}`")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
+    return model.to(device), tokenizer
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("pretrain", help="train the lab model's warm start from scratch (CPU, <= 60 min)")
+    defaults = PretrainConfig()
+    p.add_argument("--out", default="data/lab_model", help="output folder (default data/lab_model)")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--max-minutes", type=float, default=defaults.max_minutes)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.set_defaults(func=_cli_pretrain)
+
+
+def _cli_pretrain(args) -> int:
+    try:
+        config = PretrainConfig(
+            steps=args.steps,
+            max_minutes=args.max_minutes,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            eval_every=args.eval_every,
+            threads=args.threads,
+        )
+    except ValueError as err:
+        raise SystemExit(f"lopti-lab pretrain: {err}") from None
+    summary = pretrain(config, args.out)
+    final = summary["final_eval"]
+    accs = ", ".join(f"{k.split('/')[-1]} {v:.0%}" for k, v in final.items() if "/acc_" in k and "all" not in k)
+    print(f"saved {args.out} after {summary['steps_done']} steps in {summary['minutes']:.1f} min; test: {accs}")
+    return 0

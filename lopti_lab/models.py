@@ -1,0 +1,178 @@
+"""Load a policy: an HF causal LM (hub id, local folder, or the bundled ``"lab"`` model) with a LoRA adapter.
+
+    model, tokenizer = load_policy("Qwen/Qwen2.5-3B-Instruct", lora=LoraSpec(r=32), dtype="bfloat16")
+    model, tokenizer = load_policy("lab", lora=None)          # full fine-tuning of the tiny lab model
+
+With LoRA the reference policy of the KL term is the same model with its adapter disabled (``Reference``), so KL
+costs one extra no-grad forward per step and no second copy of the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "DEFAULT_LORA_TARGETS",
+    "LoraSpec",
+    "Reference",
+    "check_model_name",
+    "is_peft",
+    "load_policy",
+    "resolve_device",
+    "resolve_dtype",
+    "trainable_state_dict",
+]
+
+# attention and MLP projections of Qwen2 / Llama / Mistral style blocks (the paper's models are Qwen2.5)
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "owner/name", exactly one slash
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA settings (peft). dropout defaults to 0 so the first update's ratio is exactly 1 (rollout log-probs come
+    from the same model in eval mode, where dropout is off)."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = DEFAULT_LORA_TARGETS
+
+
+def check_model_name(name_or_path: str) -> str:
+    """Return "lab", "local" or "hub"; ValueError when it names a local path that does not exist.
+
+    A string that exists on disk is a local folder; "owner/name" that does not exist locally is taken as a hub id
+    (resolved from the HF cache or the hub); anything else path-like ("./x", "/abs/x", "a/b/c") must exist.
+    """
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(f"model must be a non-empty string (hub id, local path or 'lab'), got {name_or_path!r}")
+    if name_or_path == "lab":
+        return "lab"
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"model: {name_or_path!r} is a file; give the folder holding config.json")
+        return "local"
+    if _HUB_ID.match(name_or_path) and not name_or_path.startswith("."):
+        return "hub"
+    raise ValueError(f"model: path {name_or_path!r} does not exist (and is not a hub id of the form 'owner/name')")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu") -> torch.dtype:
+    """ "auto" is bfloat16 on a GPU that supports it and float32 otherwise (CPU bf16 matmuls are slow)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        cuda = torch.device(device).type == "cuda"
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}") from None
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def load_policy(
+    name_or_path: str,
+    lora: LoraSpec | None = LoraSpec(),
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    gradient_checkpointing: bool = False,
+):
+    """Load (model, tokenizer) ready for RL: LoRA adapter attached (or all weights trainable when ``lora`` is None),
+    on ``device`` in ``dtype``, tokenizer padding on the left (generation appends on the right).
+
+    ``name_or_path``: a hub id ("Qwen/Qwen2.5-0.5B-Instruct"), a local folder saved with ``save_pretrained``, or
+    "lab" for the bundled lab model (``lopti_lab.labmodel.load_lab_model``).
+    """
+    kind = check_model_name(name_or_path)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    if kind == "lab":
+        try:
+            from lopti_lab.labmodel import load_lab_model
+        except ImportError as err:
+            raise ValueError("model='lab' needs lopti_lab.labmodel, which is not available in this install") from err
+        model, tokenizer = load_lab_model()
+        model = model.to(dtype)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # masks come from the first EOS, so pad == eos is harmless
+    model.to(device)
+
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}  # non-reentrant: LoRA needs no input grads
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.config.use_cache = False  # the cache is re-enabled explicitly in generate
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+        config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        # peft keeps the (small) adapter weights in float32 under a bf16 base (autocast_adapter_dtype)
+        model = get_peft_model(model, config)
+    else:
+        model.requires_grad_(True)
+    model.eval()  # dropout off; the trainer switches to train() only around its update
+    return model, tokenizer
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that training changes (the LoRA weights, or all of them), detached on CPU."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class Reference:
+    """The frozen reference policy of the KL term.
+
+    LoRA: the policy itself with its adapter disabled (no copy). Full fine-tuning: a frozen deep copy made now, so
+    build it before the first update.
+
+        ref = Reference(model)
+        with ref() as ref_model:
+            logits = ref_model(input_ids).logits
+    """
+
+    def __init__(self, policy: torch.nn.Module):
+        self.policy = policy
+        self.copy = None if is_peft(policy) else copy.deepcopy(policy).eval().requires_grad_(False)
+
+    @contextmanager
+    def __call__(self) -> Iterator[torch.nn.Module]:
+        if self.copy is not None:
+            yield self.copy
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy

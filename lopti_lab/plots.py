@@ -1,0 +1,281 @@
+"""Figures, one function per figure, each drawing from lopti_lab's tidy tables and returning a matplotlib Figure.
+
+Figures are built on `matplotlib.figure.Figure` directly, not pyplot: no global state, no backend needed (they render
+with Agg), and a notebook shows the returned Figure exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+SIGN_COLORS = {"pos": "tab:blue", "neg": "tab:red"}
+SIGN_NAMES = {"pos": "A > 0", "neg": "A < 0"}
+
+
+def _require(frame: pd.DataFrame, name: str, columns: Sequence[str]) -> None:
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{name} lacks columns {missing}")
+
+
+def _bin_axis(frame: pd.DataFrame) -> tuple[list[int], list[str]]:
+    """Bins in order with their labels ("[0, 0.25)", ...), as the tables carry them."""
+    pairs = frame[["bin", "label"]].drop_duplicates().sort_values("bin")
+    return [int(b) for b in pairs["bin"]], list(pairs["label"])
+
+
+def _boxes_by_sign(ax, tokens: pd.DataFrame, value: str, bins: list[int], labels: list[str]) -> None:
+    """Side-by-side boxes of `value` per bin for A > 0 and A < 0 tokens."""
+    for offset, sign in ((-0.2, "pos"), (0.2, "neg")):
+        picked = tokens[tokens["advantage"] > 0] if sign == "pos" else tokens[tokens["advantage"] < 0]
+        data = [picked.loc[picked["bin"] == b, value].to_numpy(dtype=float) for b in bins]
+        keep = [i for i, d in enumerate(data) if len(d)]
+        if not keep:
+            continue
+        parts = ax.boxplot(
+            [data[i] for i in keep],
+            positions=[i + offset for i in keep],
+            widths=0.35,
+            patch_artist=True,
+            showfliers=False,
+            manage_ticks=False,
+        )
+        for box in parts["boxes"]:
+            box.set_facecolor(SIGN_COLORS[sign])
+            box.set_alpha(0.6)
+        parts["boxes"][0].set_label(SIGN_NAMES[sign])
+    ax.axhline(0.0, color="0.5", lw=0.8)
+    ax.set_xticks(range(len(bins)), labels)
+    ax.set_xlabel("probability bin (old policy)")
+
+
+def fig1(tokens: pd.DataFrame, grads: pd.DataFrame, *, title: str | None = None) -> Figure:
+    """The paper's Fig. 1, panels (a)-(f), from `probes.selective_sweep(...)` (tokens, grads).
+
+    (a) share of tokens per probability bin; (b) advantage distribution per bin; (c) probability change per bin after
+    one update on all tokens; (d) gradient norm when updating only one bin, against all tokens; (e) probability change
+    after updating only the lowest bin; (f) only the highest bin. (c), (e), (f) share their y axis, so that (e) ~ (c)
+    shows the lowest bin driving the whole update. `tokens` needs update, bin, label, advantage, delta_p; `grads`
+    needs update and grad_norm, updates named "all" and "bin{k}".
+    """
+    _require(tokens, "tokens", ["update", "bin", "label", "advantage", "delta_p"])
+    _require(grads, "grads", ["update", "grad_norm"])
+    if "all" not in set(tokens["update"]):
+        raise ValueError("tokens needs the rows of the update on all tokens (update == 'all')")
+    everything = tokens[tokens["update"] == "all"]
+    bins, labels = _bin_axis(everything)
+    x = np.arange(len(bins))
+    fig = Figure(figsize=(15, 8.5), layout="constrained")
+    axes = fig.subplots(2, 3)
+    ax_a, ax_b, ax_c, ax_d, ax_e, ax_f = axes.ravel()
+
+    counts = everything["bin"].value_counts().reindex(bins, fill_value=0).to_numpy()
+    ax_a.bar(x, counts / counts.sum(), color="tab:gray")
+    ax_a.set_xticks(x, labels)
+    ax_a.set_ylabel("share of tokens")
+    ax_a.set_title("(a) tokens per probability bin")
+
+    adv = [everything.loc[everything["bin"] == b, "advantage"].to_numpy(dtype=float) for b in bins]
+    keep = [i for i, a in enumerate(adv) if len(a)]
+    ax_b.boxplot([adv[i] for i in keep], positions=keep, widths=0.5, showfliers=False, manage_ticks=False)
+    ax_b.set_xticks(x, labels)
+    ax_b.axhline(0.0, color="0.5", lw=0.8)
+    ax_b.set_ylabel("advantage")
+    ax_b.set_title("(b) advantages per bin")
+
+    panels = [(ax_c, "all", "(c) update on all tokens"), (ax_e, f"bin{bins[0]}", "(e) update on the lowest bin only")]
+    panels.append((ax_f, f"bin{bins[-1]}", "(f) update on the highest bin only"))
+    for ax, update, name in panels:
+        picked = tokens[tokens["update"] == update]
+        if picked.empty:
+            raise ValueError(f"tokens has no rows for update == {update!r}")
+        _boxes_by_sign(ax, picked, "delta_p", bins, labels)
+        ax.set_ylabel("probability change")
+        ax.set_title(name)
+    ax_c.legend(loc="best", fontsize="small")
+    ax_e.sharey(ax_c)
+    ax_f.sharey(ax_c)
+
+    names = [*(f"bin{b}" for b in bins), "all"]
+    norms = grads.set_index("update")["grad_norm"].reindex(names)
+    colors = ["tab:orange"] * len(bins) + ["tab:gray"]
+    ax_d.bar(np.arange(len(names)), norms.fillna(0.0).to_numpy(), color=colors)
+    ax_d.set_xticks(np.arange(len(names)), [*labels, "all"])
+    ax_d.set_ylabel("gradient norm")
+    ax_d.set_title("(d) gradient of one bin's tokens vs all")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def fig2(
+    tokens: pd.DataFrame | None = None,
+    vocab_size: int | None = None,
+    shift: pd.DataFrame | None = None,
+    *,
+    sign: str = "pos",
+    max_points: int = 20000,
+    seed: int = 0,
+) -> Figure:
+    """The paper's Fig. 2: (a) the wedge, (b) the correct ratio by probability bin, one line per method.
+
+    (a) needs `tokens` with columns prob and grad_norm (`TokenStats.to_frame()`, `ToyResult.tokens`) and the
+    vocabulary size: a scatter of ||e_y - pi|| against pi (at most `max_points`, sampled with `seed`) between the bounds
+    sqrt(N/(N-1)) (1 - p) and sqrt(2) (1 - p). (b) needs `shift`, a `shift_summary` table (bin, label, sign, n_tokens,
+    correct_ratio) with a `method` column when there are several: cells repeated over other columns (steps, batches)
+    are pooled, weighted by their token counts; `sign` picks A > 0 ("pos", the paper's panel) or A < 0 ("neg"). Pass
+    either or both; the figure has one panel per table given.
+    """
+    from lopti_lab.theory import grad_norm_bounds
+
+    if tokens is None and shift is None:
+        raise ValueError("fig2 needs tokens (panel a) or shift (panel b)")
+    if sign not in SIGN_NAMES:
+        raise ValueError(f"sign must be 'pos' or 'neg', got {sign!r}")
+    n_panels = (tokens is not None) + (shift is not None)
+    fig = Figure(figsize=(6.5 * n_panels, 4.8), layout="constrained")
+    axes = list(np.atleast_1d(fig.subplots(1, n_panels)))
+
+    if tokens is not None:
+        _require(tokens, "tokens", ["prob", "grad_norm"])
+        if vocab_size is None:
+            raise ValueError("vocab_size is needed to draw the bounds of panel (a)")
+        ax = axes.pop(0)
+        pts = tokens if len(tokens) <= max_points else tokens.sample(max_points, random_state=seed)
+        ax.scatter(pts["prob"], pts["grad_norm"], s=4, alpha=0.3, color="tab:blue", label="tokens", rasterized=True)
+        p = np.linspace(0.0, 1.0, 201)
+        lower, upper = grad_norm_bounds(p, vocab_size)
+        ax.plot(p, upper, color="tab:red", label=r"$\sqrt{2}\,(1-\pi)$")
+        ax.plot(p, lower, color="tab:green", label=r"$\sqrt{N/(N-1)}\,(1-\pi)$")
+        ax.fill_between(p, lower, upper, color="0.85", alpha=0.5, zorder=0)
+        ax.set_xlabel(r"token probability $\pi$")
+        ax.set_ylabel(r"$\|e_y - \pi\|$ (gradient norm at the logits)")
+        ax.set_title(f"(a) gradient norm vs probability, N = {vocab_size}")
+        ax.legend(loc="upper right", fontsize="small")
+
+    if shift is not None:
+        _require(shift, "shift", ["bin", "label", "sign", "n_tokens", "correct_ratio"])
+        ax = axes.pop(0)
+        cells = shift[(shift["sign"] == sign) & (shift["n_tokens"] > 0)].copy()
+        if "method" not in cells.columns:
+            cells["method"] = ""
+        cells["n_correct"] = cells["correct_ratio"] * cells["n_tokens"]
+        pooled = cells.groupby(["method", "bin", "label"], sort=False)[["n_correct", "n_tokens"]].sum().reset_index()
+        pooled["correct_ratio"] = pooled["n_correct"] / pooled["n_tokens"]
+        bins, labels = _bin_axis(shift)
+        for method, rows in pooled.groupby("method", sort=False):
+            rows = rows.set_index("bin").reindex(bins)
+            ax.plot(range(len(bins)), rows["correct_ratio"], marker="o", label=method or None)
+        ax.axhline(0.5, color="0.5", lw=0.8, ls="--")
+        ax.set_xticks(range(len(bins)), labels)
+        ax.set_xlabel("probability bin (old policy)")
+        ax.set_ylabel(f"correct ratio ({SIGN_NAMES[sign]})")
+        ax.set_title("(b) tokens moved the way their advantage asks")
+        if any(pooled["method"] != ""):
+            ax.legend(loc="best", fontsize="small")
+    return fig
+
+
+def kk_dataset(stats: pd.DataFrame) -> Figure:
+    """K&K puzzles by people count, from `kk.dataset_stats`: (a) quiz and compact-trace length in words, (b) search
+    steps and backtracks of the solver, (c) the mix of statement kinds."""
+    _require(stats, "stats", ["people", "quiz_words", "compact_trace_words", "trace_steps", "backtracks"])
+    means = stats.groupby("people").mean(numeric_only=True)
+    fig = Figure(figsize=(15, 4), layout="constrained")
+    ax_len, ax_search, ax_kinds = fig.subplots(1, 3)
+    people = means.index.to_numpy()
+    ax_len.plot(people, means["quiz_words"], marker="o", label="quiz")
+    ax_len.plot(people, means["compact_trace_words"], marker="s", label="compact trace")
+    ax_len.set_xlabel("people")
+    ax_len.set_ylabel("words (mean)")
+    ax_len.set_title("(a) how long the text is")
+    ax_len.legend()
+    ax_search.plot(people, means["trace_steps"], marker="o", label="search steps")
+    ax_search.plot(people, means["backtracks"], marker="s", label="backtracks")
+    ax_search.set_xlabel("people")
+    ax_search.set_title("(b) how hard the search is")
+    ax_search.legend()
+    kinds = [c for c in means.columns if c.startswith("kind_")]
+    bottom = np.zeros(len(people))
+    for column in kinds:
+        ax_kinds.bar(people, means[column], bottom=bottom, label=column.removeprefix("kind_"))
+        bottom += means[column].to_numpy()
+    ax_kinds.set_xlabel("people")
+    ax_kinds.set_ylabel("share of statements")
+    ax_kinds.set_title("(c) statement kinds")
+    ax_kinds.legend(fontsize="small", ncols=3, loc="lower right")
+    return fig
+
+
+def softmax_gradients(table: pd.DataFrame, temperature: float | None = None) -> Figure:
+    """(a) a small vocabulary's probabilities; (b) each token's gradient norm ||e_y - pi|| against its probability,
+    inside the wedge of the two bounds. ``table`` is `widgets.softmax_table`: token, prob, grad_norm."""
+    from lopti_lab.theory import grad_norm_bounds
+
+    _require(table, "table", ["token", "prob", "grad_norm"])
+    fig = Figure(figsize=(11, 3.8), layout="constrained")
+    ax_p, ax_g = fig.subplots(1, 2)
+    x = np.arange(len(table))
+    ax_p.bar(x, table["prob"], color="tab:blue")
+    ax_p.set_xticks(x, table["token"])
+    ax_p.set_ylim(0, 1)
+    ax_p.set_ylabel(r"probability $\pi_y$")
+    ax_p.set_title("(a) softmax" + (f" at temperature {temperature:.2f}" if temperature else ""))
+    p = np.linspace(0, 1, 101)
+    lower, upper = grad_norm_bounds(p, len(table))
+    ax_g.fill_between(p, lower, upper, color="0.88")
+    ax_g.plot(p, upper, color="tab:red", lw=1, label=r"$\sqrt{2}(1-\pi)$")
+    ax_g.plot(p, lower, color="tab:green", lw=1, label=r"$\sqrt{N/(N-1)}(1-\pi)$")
+    ax_g.scatter(table["prob"], table["grad_norm"], color="tab:blue", zorder=3)
+    for _, row in table.iterrows():
+        ax_g.annotate(
+            row["token"], (row["prob"], row["grad_norm"]), textcoords="offset points", xytext=(4, 4), fontsize="small"
+        )
+    ax_g.set_xlim(0, 1)
+    ax_g.set_ylim(0, 1.5)
+    ax_g.set_xlabel(r"probability $\pi_y$ of the sampled token")
+    ax_g.set_ylabel(r"$\|e_y - \pi\|$")
+    ax_g.set_title("(b) its gradient at the logits")
+    ax_g.legend(loc="upper right", fontsize="small")
+    return fig
+
+
+def toy_dynamics(result) -> Figure:
+    """The theory toy's learning dynamics per method (`theory.simulate`): (a) reward, (b) the lowest and highest
+    probability bins' share of the gradient, (c) the correct ratio of A > 0 tokens per bin over all steps (Fig. 2b)."""
+    steps, bins, shift = result.steps, result.bins, result.shift
+    fig = Figure(figsize=(16, 4), layout="constrained")
+    ax_r, ax_s, ax_c = fig.subplots(1, 3)
+    for method, rows in steps.groupby("method", sort=False):
+        ax_r.plot(rows["step"], rows["reward"], label=method)
+    ax_r.set_xlabel("step")
+    ax_r.set_ylabel("mean reward")
+    ax_r.set_title("(a) learning curve")
+    ax_r.legend(fontsize="small")
+    top = bins["bin"].max()
+    for i, (method, rows) in enumerate(bins.groupby("method", sort=False)):
+        color = f"C{i}"
+        low, high = rows[rows["bin"] == 0], rows[rows["bin"] == top]
+        ax_s.plot(low["step"], low["grad_share"], color=color, label=f"{method}: lowest bin")
+        ax_s.plot(high["step"], high["grad_share"], color=color, ls="--", label=f"{method}: highest bin")
+    ax_s.set_xlabel("step")
+    ax_s.set_ylabel("share of the gradient")
+    ax_s.set_title("(b) lowest (solid) vs highest (dashed) bin")
+    ax_s.legend(fontsize="x-small", ncols=2)
+    cells = shift[(shift["sign"] == "pos") & (shift["n_tokens"] > 0)].copy()
+    cells["n_correct"] = cells["correct_ratio"] * cells["n_tokens"]
+    pooled = cells.groupby(["method", "bin", "label"], sort=False)[["n_correct", "n_tokens"]].sum().reset_index()
+    for method, rows in pooled.groupby("method", sort=False):
+        ax_c.plot(rows["bin"], rows["n_correct"] / rows["n_tokens"], marker="o", label=method)
+    labels = shift[["bin", "label"]].drop_duplicates().sort_values("bin")
+    ax_c.set_xticks(labels["bin"], labels["label"])
+    ax_c.axhline(0.5, color="0.5", lw=0.8, ls="--")
+    ax_c.set_xlabel("probability bin (old policy)")
+    ax_c.set_ylabel("correct ratio (A > 0)")
+    ax_c.set_title("(c) tokens moved the way their advantage asks")
+    ax_c.legend(fontsize="small")
+    return fig

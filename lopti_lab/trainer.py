@@ -1,0 +1,803 @@
+"""GRPO with Advantage Reweighting and Lopti: one loop, LoRA on one GPU, the same code on a laptop CPU.
+
+    from lopti_lab.trainer import TrainConfig, train
+    result = train(TrainConfig(model="lab", lora_r=None, ar_alpha=0.3, lopti_eta=0.5, steps=50, run_dir="runs/both"))
+    result.history[-1]["acc/all"]
+
+One RL step (DESIGN.md), ``train_step``:
+
+    puzzles -> prompts -> rollout.sample: G completions per prompt, old_logp at the sampling temperature
+      -> kk.score_response -> rewards -> group_advantages -> AR weights (once per step, PAPER.md §3)
+      -> stages: Lopti [low, high] (PAPER.md §4) or [all]
+      -> for each stage, for each epoch, for each minibatch: policy_loss -> backward -> clip -> optimizer.step
+         (old_logp is NOT recomputed between the Lopti stages: stage 2's ratio sees stage 1's drift)
+      -> metrics (runs.py lists the keys) -> metrics.jsonl
+
+Shape legend: B rows = prompts x G, G group size, T response tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from lopti_lab import runs
+from lopti_lab.kk import PROMPT_STYLES, Puzzle, build_prompt, load_split, score_response
+from lopti_lab.models import DEFAULT_LORA_TARGETS, LoraSpec, Reference, check_model_name, load_policy
+from lopti_lab.objective import group_advantages, lopti_stages, masked_mean, policy_loss, reweight_advantages
+from lopti_lab.probes import GradientProbe
+from lopti_lab.rollout import Rollout, add_logprobs, response_logprobs, sample
+
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "advantages_and_stages",
+    "evaluate",
+    "load_trained",
+    "score_rollout",
+    "train",
+    "train_step",
+    "update_policy",
+]
+
+Callback = Callable[[dict], Any]  # gets each step's metrics; a truthy return asks training to stop after the step
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run. Defaults follow the paper's K&K GRPO setup (PAPER.md §6) where it applies."""
+
+    # --- model ---
+    model: str = "lab"
+    """hub id ("Qwen/Qwen2.5-3B-Instruct"), a local folder saved with save_pretrained, or "lab" (bundled lab model)"""
+    lora_r: int | None = 16
+    """LoRA rank; None = full fine-tuning (what the paper did; right for the tiny lab model)"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)"""
+    lora_dropout: float = 0.0
+    """LoRA dropout; 0 keeps the first update's ratio at exactly 1"""
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    """module names that get adapters: attention and MLP projections"""
+    dtype: str = "auto"
+    """"auto" (bf16 on a GPU, float32 on CPU), "float32", "bfloat16" or "float16\""""
+    device: str = "auto"
+    """"auto" (cuda if available), "cpu", "cuda", "cuda:1", ..."""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward: less GPU memory for long responses, about 30% slower updates"""
+
+    # --- data ---
+    prompt_style: str = "instruct"
+    """"instruct" (the Logic-RL Qwen chat string), "base" (plain text) or "chat" (the tokenizer's chat template)"""
+    train_people: tuple[int, ...] = (3, 4, 5, 6, 7)
+    """people counts mixed in the training set (the paper: 3-7)"""
+    eval_people: tuple[int, ...] = (3, 4, 5, 6, 7)
+    """people counts of the evaluation (empty: no evaluation)"""
+    data_root: str | None = None
+    """folder holding train/ and test/ K&K JSONL files; None = the bundled data/kk"""
+    train_limit: int | None = None
+    """use only the first N training puzzles of each people count (None = all)"""
+
+    # --- rollout ---
+    prompts_per_step: int = 64
+    """puzzles per RL step (the paper: 64)"""
+    group_size: int = 8
+    """completions sampled per puzzle, G (the paper: 8); B = prompts_per_step x group_size"""
+    temperature: float = 0.7
+    """rollout sampling temperature; old_logp and the update's log-probs use it too (the paper: 0.7)"""
+    top_p: float = 1.0
+    """nucleus sampling mass for rollouts (1 = off)"""
+    max_new_tokens: int = 4096
+    """response length cap (the paper: 4096)"""
+    max_prompt_tokens: int | None = None
+    """fail if a prompt is longer (the paper: 400); None = no check"""
+    generate_batch_size: int | None = None
+    """rows per generate call and per log-prob forward (GPU memory); None = the whole batch"""
+
+    # --- optimisation ---
+    lr: float = 1e-6
+    """AdamW learning rate (the paper: 1e-6 with full fine-tuning; LoRA usually wants 1e-5 to 1e-4)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (the paper: 0.01)"""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas"""
+    grad_clip: float | None = 1.0
+    """clip the gradient norm of each optimizer step (the paper: 1.0); None = no clipping"""
+    minibatch_size: int = 256
+    """responses per optimizer step (the paper: 256); must divide B"""
+    micro_batch_size: int | None = None
+    """responses per forward/backward inside a minibatch (gradient accumulation); None = the whole minibatch"""
+    ppo_epochs: int = 1
+    """passes over the step's batch per stage (the paper: 1)"""
+
+    # --- objective ---
+    advantage_scale: str = "std"
+    """"std": GRPO's (r - mean) / (std + eps) per group; "none": r - mean (Dr. GRPO)"""
+    clip_low: float = 0.2
+    """lower clip range: ratio >= 1 - clip_low (the paper: 0.2)"""
+    clip_high: float = 0.24
+    """upper clip range: ratio <= 1 + clip_high (the paper: 0.24)"""
+    dual_clip: float | None = 10.0
+    """dual-clip constant c > 1 for negative advantages (the paper: 10); None = off"""
+    kl_coef: float = 0.001
+    """k3 KL-to-reference loss coefficient (the paper: 0.001); 0 = no reference forward at all"""
+    ar_alpha: float | None = None
+    """Advantage Reweighting alpha in [0, 1] (the paper: 0.3 on K&K); None = off"""
+    lopti_eta: float | None = None
+    """Lopti threshold in (0, 1): tokens with pi_old < eta are updated first (the paper: 0.5); None = off"""
+    lopti_order: str = "low_first"
+    """"low_first" (Lopti) or "high_first" (the paper's ablation, which collapses)"""
+
+    # --- schedule, evaluation, probes, output ---
+    steps: int = 100
+    """RL steps to train"""
+    seed: int = 0
+    """seeds python, numpy and torch (model init, LoRA init, data order, sampling)"""
+    eval_every: int = 50
+    """evaluate every N steps and after the last step; 0 = only after the last step"""
+    eval_size: int = 100
+    """test puzzles per people count (the test split has 100)"""
+    eval_modes: tuple[str, ...] = ("greedy", "sample")
+    """"greedy" decoding and/or one "sample" at eval_temperature per puzzle (the paper reports both)"""
+    eval_temperature: float = 1.0
+    """temperature of the "sample" evaluation (the paper: 1.0)"""
+    eval_max_new_tokens: int | None = None
+    """response cap at evaluation; None = max_new_tokens"""
+    probe_every: int = 0
+    """log per-bin token and gradient shares every N steps (lopti_lab.probes); 0 = off"""
+    probe_bins: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    """edges of the probability bins of the probes (the paper's Fig. 1: quarters)"""
+    save_every: int = 50
+    """checkpoint every N steps; the last step (and a stop requested by a callback) always saves; 0 = only those"""
+    run_dir: str | None = None
+    """the run folder (runs.py); None = runs/<method>-<date-time> under the working directory"""
+    progress: bool = True
+    """show a tqdm progress bar"""
+
+    def __post_init__(self):
+        for name in ("lora_targets", "train_people", "eval_people", "betas", "eval_modes", "probe_bins"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):  # JSON gives lists; keep tuples so configs compare equal
+                setattr(self, name, tuple(value))
+        _validate(self)
+
+    @property
+    def method(self) -> str:
+        """ "GRPO", "GRPO+AR", "GRPO+Lopti" or "GRPO+AR+Lopti"."""
+        return runs.method_label(self)
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def optimizer_steps_per_stage(self) -> int:
+        return self.batch_size // self.minibatch_size * self.ppo_epochs
+
+    def lora_spec(self) -> LoraSpec | None:
+        if self.lora_r is None:
+            return None
+        return LoraSpec(
+            r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, target_modules=self.lora_targets
+        )
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))  # tuples become lists: exactly what config.json holds
+
+    @classmethod
+    def from_dict(cls, values: Mapping) -> TrainConfig:
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown field(s) {sorted(unknown)}")
+        return cls(**values)
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """{field: the docstring under it} (CLI help, widget tooltips)."""
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        docs = {}
+        for node, nxt in itertools.pairwise(body):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)
+        return docs
+
+
+def _validate(c: TrainConfig) -> None:
+    """Raise ValueError naming the first bad field; runs before any data or model is touched."""
+
+    def need(ok: bool, name: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"TrainConfig.{name} {what}, got {getattr(c, name)!r}")
+
+    def optional(name: str, test: Callable[[Any], bool], what: str) -> None:
+        value = getattr(c, name)
+        need(value is None or test(value), name, what + " or None")
+
+    def positive_int(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    try:
+        check_model_name(c.model)
+    except ValueError as err:
+        raise ValueError(f"TrainConfig.{err}") from None
+    optional("lora_r", positive_int, "must be an int >= 1")
+    need(c.lora_alpha > 0, "lora_alpha", "must be > 0")
+    need(0.0 <= c.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
+    need(len(c.lora_targets) > 0, "lora_targets", "must name at least one module")
+    need(c.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
+    try:
+        need(c.device == "auto" or torch.device(c.device) is not None, "device", "must be 'auto' or a torch device")
+    except (RuntimeError, TypeError):
+        need(False, "device", "must be 'auto' or a torch device")
+    need(c.prompt_style in PROMPT_STYLES, "prompt_style", f"must be one of {PROMPT_STYLES}")
+    for name in ("train_people", "eval_people"):
+        need(all(positive_int(n) and n >= 2 for n in getattr(c, name)), name, "must be people counts >= 2")
+    need(len(c.train_people) > 0, "train_people", "must not be empty")
+    optional("data_root", lambda p: Path(p).is_dir(), "must be an existing folder")
+    optional("train_limit", positive_int, "must be an int >= 1")
+    need(positive_int(c.prompts_per_step), "prompts_per_step", "must be an int >= 1")
+    need(positive_int(c.group_size) and c.group_size >= 2, "group_size", "must be an int >= 2 (GRPO needs a group)")
+    need(c.temperature > 0, "temperature", "must be > 0")
+    need(0.0 < c.top_p <= 1.0, "top_p", "must be in (0, 1]")
+    need(positive_int(c.max_new_tokens), "max_new_tokens", "must be an int >= 1")
+    optional("max_prompt_tokens", positive_int, "must be an int >= 1")
+    optional("generate_batch_size", positive_int, "must be an int >= 1")
+    need(c.lr > 0, "lr", "must be > 0")
+    need(c.weight_decay >= 0, "weight_decay", "must be >= 0")
+    need(len(c.betas) == 2 and all(0.0 <= b < 1.0 for b in c.betas), "betas", "must be two numbers in [0, 1)")
+    optional("grad_clip", lambda v: v > 0, "must be > 0")
+    need(positive_int(c.minibatch_size), "minibatch_size", "must be an int >= 1")
+    need(c.batch_size % c.minibatch_size == 0, "minibatch_size", f"must divide the batch B = {c.batch_size}")
+    optional("micro_batch_size", lambda v: positive_int(v) and c.minibatch_size % v == 0, "must divide minibatch_size")
+    need(positive_int(c.ppo_epochs), "ppo_epochs", "must be an int >= 1")
+    need(c.advantage_scale in ("std", "none"), "advantage_scale", "must be 'std' or 'none'")
+    need(0.0 <= c.clip_low < 1.0, "clip_low", "must be in [0, 1)")
+    need(c.clip_high >= 0.0, "clip_high", "must be >= 0")
+    optional("dual_clip", lambda v: v > 1.0, "must be > 1")
+    need(c.kl_coef >= 0.0, "kl_coef", "must be >= 0")
+    optional("ar_alpha", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
+    optional("lopti_eta", lambda v: 0.0 < v < 1.0, "must be in (0, 1)")
+    need(c.lopti_order in ("low_first", "high_first"), "lopti_order", "must be 'low_first' or 'high_first'")
+    need(positive_int(c.steps), "steps", "must be an int >= 1")
+    need(isinstance(c.seed, int), "seed", "must be an int")
+    need(isinstance(c.eval_every, int) and c.eval_every >= 0, "eval_every", "must be an int >= 0")
+    need(positive_int(c.eval_size), "eval_size", "must be an int >= 1")
+    need(set(c.eval_modes) <= {"greedy", "sample"}, "eval_modes", "must hold 'greedy' and/or 'sample'")
+    need(c.eval_temperature > 0, "eval_temperature", "must be > 0")
+    optional("eval_max_new_tokens", positive_int, "must be an int >= 1")
+    need(isinstance(c.probe_every, int) and c.probe_every >= 0, "probe_every", "must be an int >= 0")
+    edges = c.probe_bins
+    need(
+        len(edges) >= 2 and edges[0] == 0.0 and edges[-1] == 1.0 and all(a < b for a, b in itertools.pairwise(edges)),
+        "probe_bins",
+        "must be increasing bin edges from 0 to 1",
+    )
+    need(isinstance(c.save_every, int) and c.save_every >= 0, "save_every", "must be an int >= 0")
+
+
+# --- one RL step ------------------------------------------------------------------------------------------------------
+
+
+def score_rollout(rollout: Rollout, puzzles: Sequence[Puzzle]) -> list:
+    """The Logic-RL reward of each row (row b answers puzzles[b // G]); the prompt ended in "<think>", which
+    ``score_response`` puts back in front of the response."""
+    group = rollout.group_size
+    return [score_response(text, puzzles[b // group]) for b, text in enumerate(rollout.texts)]
+
+
+def _schedule(stages, n_rows: int, minibatch: int, epochs: int) -> Iterator[tuple[str, torch.Tensor, slice]]:
+    """The update order: every minibatch of stage 1 (Lopti: low tokens), then every minibatch of stage 2.
+
+    A minibatch with no token in the stage still takes its optimizer step (zero gradient, but AdamW's momentum and
+    weight decay move the weights), as the paper's code does, so Lopti always takes twice GRPO's steps."""
+    for name, stage_mask in stages:
+        for _ in range(epochs):
+            for start in range(0, n_rows, minibatch):
+                yield name, stage_mask, slice(start, start + minibatch)
+
+
+def _probe_tokens(probe: GradientProbe | None, rollout: Rollout, rows: slice) -> Callable[[int], None] | None:
+    """Tell the probe, before each forward, the rollout probabilities of the t response columns that forward keeps."""
+    if probe is None:
+        return None
+    return lambda t: probe.set_tokens(rollout.old_logp[rows, :t].exp(), rollout.response_mask[rows, :t])
+
+
+def update_policy(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    stages: Sequence[tuple[str, torch.Tensor]],
+    config: TrainConfig,
+    probe: GradientProbe | None = None,
+) -> dict[str, float]:
+    """All optimizer steps of one RL step; returns the update's metrics.
+
+    advantages: (B, T) per token (AR already applied); stages: [(name, mask (B, T))], [("all", response_mask)] for
+    GRPO. Each minibatch's loss is a token mean with the minibatch's full response-token count as denominator, also
+    inside a Lopti stage (the paper's code). A non-finite loss or gradient norm skips that optimizer step, zeroes
+    the gradients and ends the step's updates (``skipped/nonfinite`` = 1). An attached ``probe`` gets each
+    micro-batch's rollout probabilities before its forward and records the per-bin gradients of its backward.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    micro = config.micro_batch_size or config.minibatch_size
+    on_policy = rollout.old_logp is None  # pi_old comes from the update's own forward: one optimizer step only
+    if on_policy and (len(stages) > 1 or config.optimizer_steps_per_stage > 1):
+        raise ValueError("rollout.old_logp is required when the update takes more than one optimizer step")
+    input_ids, attention_mask = rollout.input_ids, rollout.attention_mask  # (B, P + T)
+    keys = ("approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl", "tokens", "loss", "entropy")
+    sums = {key: torch.zeros((), device=input_ids.device) for key in keys}
+    grad_norms, n_steps, nonfinite = [], 0, False
+    model.train()
+    try:
+        for _name, stage_mask, rows in _schedule(stages, len(rollout), config.minibatch_size, config.ppo_epochs):
+            denom = rollout.response_mask[rows].sum()  # all response tokens of the minibatch, whatever the stage
+            optimizer.zero_grad(set_to_none=True)
+            minibatch_loss = torch.zeros((), device=input_ids.device)
+            for start in range(rows.start, rows.stop, micro):
+                m = slice(start, start + micro)
+                logp, entropy = response_logprobs(
+                    model,
+                    input_ids[m],
+                    attention_mask[m],
+                    rollout.response_mask[m],
+                    config.temperature,
+                    with_entropy=on_policy,
+                    before_forward=_probe_tokens(probe, rollout, m),
+                )  # (b, T)
+                if on_policy:  # the weights are still the rollout's: this forward IS pi_old, exactly
+                    sums["entropy"] += (entropy * rollout.response_mask[m]).sum()
+                loss, stats = policy_loss(
+                    logp,
+                    logp.detach() if on_policy else rollout.old_logp[m],
+                    advantages[m],
+                    stage_mask[m],
+                    clip_low=config.clip_low,
+                    clip_high=config.clip_high,
+                    dual_clip=config.dual_clip,
+                    ref_logp=None if rollout.ref_logp is None else rollout.ref_logp[m],
+                    kl_coef=config.kl_coef,
+                    denom=denom,
+                )
+                loss.backward()
+                minibatch_loss += loss.detach()
+                for key in ("approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl"):
+                    sums[key] += stats[key] * stats["tokens"]
+                sums["tokens"] += stats["tokens"]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip or math.inf)
+            if not (torch.isfinite(minibatch_loss) and torch.isfinite(grad_norm)):
+                optimizer.zero_grad(set_to_none=True)
+                nonfinite = True
+                break
+            optimizer.step()
+            n_steps += 1
+            grad_norms.append(grad_norm.detach())
+            sums["loss"] += minibatch_loss
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        model.eval()
+    n_minibatches = config.optimizer_steps_per_stage
+    tokens = max(sums["tokens"].item(), 1.0)
+    return {
+        "policy/approx_kl": sums["approx_kl"].item() / tokens,
+        "policy/clip_frac_low": sums["clip_frac_low"].item() / tokens,
+        "policy/clip_frac_high": sums["clip_frac_high"].item() / tokens,
+        "policy/dual_clip_frac": sums["dual_clip_frac"].item() / tokens,
+        "policy/kl": sums["kl"].item() / tokens,
+        "loss/policy": sums["loss"].item() / n_minibatches,  # Lopti: its two stages add up to one loss
+        "grad/norm": torch.stack(grad_norms).mean().item() if grad_norms else math.nan,
+        "update/optimizer_steps": float(n_steps),
+        "skipped/nonfinite": float(nonfinite),
+        **({"policy/entropy": sums["entropy"].item() / rollout.response_mask.sum().item()} if on_policy else {}),
+    }
+
+
+def advantages_and_stages(
+    rollout: Rollout, advantages: torch.Tensor, config: TrainConfig
+) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]], dict[str, float]]:
+    """Per-token advantages (B, T) with AR applied, the update stages [(name, mask (B, T))] and their metrics.
+
+    AR (PAPER.md §3) weights each token once per step, and every stage and minibatch uses those weights; Lopti
+    (§4) gives [("low", ...), ("high", ...)] in ``config.lopti_order``, GRPO [("all", response_mask)]. Both read
+    ``rollout.old_logp``; advantages: (B,) per sequence.
+    """
+    mask = rollout.response_mask  # (B, T)
+    token_adv = advantages[:, None].expand_as(mask)  # (B, T)
+    metrics: dict[str, float] = {}
+    if config.ar_alpha is not None:  # AR, Eq. 4
+        alpha = config.ar_alpha
+        token_adv = reweight_advantages(advantages, rollout.old_logp, alpha)  # (B, T)
+        metrics["ar/weight_mean"] = masked_mean(alpha * rollout.old_logp.exp() + 1 - alpha, mask).item()
+    if config.lopti_eta is None:
+        return token_adv, [("all", mask)], metrics
+    stages = lopti_stages(rollout.old_logp, mask, config.lopti_eta, config.lopti_order)  # stage 1 low, stage 2 high
+    metrics["lopti/low_share"] = (dict(stages)["low"].sum() / mask.sum()).item()
+    return token_adv, stages, metrics
+
+
+def train_step(
+    model: torch.nn.Module,
+    tokenizer,
+    optimizer: torch.optim.Optimizer,
+    puzzles: Sequence[Puzzle],
+    config: TrainConfig,
+    reference: Reference | None = None,
+    probe: bool = False,
+) -> dict[str, float]:
+    """One RL step on ``puzzles`` (prompts_per_step of them): rollout, reward, advantages, update; its metrics."""
+    cfg, group = config, config.group_size
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    t0 = time.perf_counter()
+    prompts = [build_prompt(p, cfg.prompt_style, tokenizer) for p in puzzles]
+    rollout = sample(
+        model,
+        tokenizer,
+        prompts,
+        group,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        batch_size=cfg.generate_batch_size,
+        with_logprobs=False,
+    )
+    sync()
+    t1 = time.perf_counter()
+    # pi_old before the update: AR weights and Lopti stages read it, a probe bins by it, and a second optimizer step
+    # needs it from the weights before the first. Plain GRPO with one optimizer step per rollout gets it exactly from
+    # its update forward instead (weights unchanged until the step), which saves a forward pass, as TRL does.
+    needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or cfg.optimizer_steps_per_stage > 1
+    add_logprobs(model, rollout, cfg.temperature, True, reference, cfg.generate_batch_size, policy=needs_old)
+    sync()
+    t2 = time.perf_counter()
+    rewards = score_rollout(rollout, puzzles)
+    t3 = time.perf_counter()
+
+    device = rollout.response_ids.device
+    mask = rollout.response_mask  # (B, T)
+    totals = torch.tensor([r.total for r in rewards], dtype=torch.float32, device=device)  # (B,)
+    advantages = group_advantages(totals, group, cfg.advantage_scale)  # (B,)
+    token_adv, stages, metrics = advantages_and_stages(rollout, advantages, cfg)
+
+    # every probe_every steps: per-bin gradient shares of the real update (position attribution, probes.py)
+    gradient_probe = GradientProbe(model, bins=cfg.probe_bins) if probe else None
+    with gradient_probe or nullcontext():
+        metrics.update(update_policy(model, optimizer, rollout, token_adv, stages, cfg, gradient_probe))
+    sync()
+    t4 = time.perf_counter()
+    if gradient_probe is not None and metrics["update/optimizer_steps"] > 0:
+        metrics.update(gradient_probe.metrics())
+    if rollout.entropy is not None:
+        metrics["policy/entropy"] = masked_mean(rollout.entropy, mask).item()
+
+    people = torch.tensor([p.n_people for p in puzzles for _ in range(group)], device=device)  # (B,)
+    correct = (totals == 3.0).float()  # (B,)
+    grouped = totals.view(-1, group)  # (B/G, G)
+    metrics.update(
+        {
+            "reward/mean": totals.mean().item(),
+            "reward/std": totals.std(correction=0).item(),
+            "acc/all": correct.mean().item(),
+            **{f"acc/{n}ppl": correct[people == n].mean().item() for n in sorted(set(people.tolist()))},
+            "format/error_rate": float(np.mean([r.format_score < 0 for r in rewards])),
+            "len/response_mean": rollout.lengths.mean().item(),
+            "len/response_max": rollout.lengths.max().item(),
+            "len/truncated_share": (~rollout.finished).float().mean().item(),
+            "groups/zero_var_share": (grouped.max(1).values == grouped.min(1).values).float().mean().item(),
+            "adv/abs_mean": masked_mean(token_adv.abs(), mask).item(),
+            "time/generate": t1 - t0,
+            "time/logprob": t2 - t1,
+            "time/score": t3 - t2,
+            "time/update": t4 - t3,
+        }
+    )
+    return metrics
+
+
+# --- evaluation -------------------------------------------------------------------------------------------------------
+
+
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer,
+    puzzles: Iterable[Puzzle],
+    *,
+    prompt_style: str = "instruct",
+    max_new_tokens: int = 4096,
+    modes: Sequence[str] = ("greedy", "sample"),
+    temperature: float = 1.0,
+    batch_size: int | None = None,
+    seed: int = 0,
+    prefix: str = "eval",
+) -> dict[str, float]:
+    """Test accuracy (share of puzzles with reward 3) by people count, greedy and/or one sample per puzzle.
+
+    Keys: ``{prefix}/{mode}/acc_{n}ppl``, ``{prefix}/{mode}/acc_all`` (the mean over people counts, the paper's
+    "avg"), ``{prefix}/{mode}/format_error_rate`` and ``{prefix}/{mode}/len_mean``. Sampling runs under a forked
+    torch RNG seeded with ``seed``, so evaluating never changes the training run's random stream.
+    """
+    puzzles = list(puzzles)
+    if not puzzles:
+        return {}
+    device = next(model.parameters()).device
+    prompts = [build_prompt(p, prompt_style, tokenizer) for p in puzzles]
+    people = np.array([p.n_people for p in puzzles])
+    out: dict[str, float] = {}
+    for mode in modes:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            rollout = sample(
+                model,
+                tokenizer,
+                prompts,
+                1,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                greedy=mode == "greedy",
+                batch_size=batch_size,
+                with_logprobs=False,
+            )
+        rewards = score_rollout(rollout, puzzles)
+        correct = np.array([r.total == 3.0 for r in rewards], dtype=float)
+        per_people = {int(n): float(correct[people == n].mean()) for n in sorted(set(people.tolist()))}
+        out.update({f"{prefix}/{mode}/acc_{n}ppl": acc for n, acc in per_people.items()})
+        out[f"{prefix}/{mode}/acc_all"] = float(np.mean(list(per_people.values())))
+        out[f"{prefix}/{mode}/format_error_rate"] = float(np.mean([r.format_score < 0 for r in rewards]))
+        out[f"{prefix}/{mode}/len_mean"] = rollout.lengths.float().mean().item()
+    return out
+
+
+# --- the loop ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` hands back: the run folder, the trained policy (still in memory) and every step's metrics."""
+
+    run_dir: Path
+    model: torch.nn.Module
+    tokenizer: Any
+    config: TrainConfig
+    history: list[dict] = field(default_factory=list)
+    stopped: bool = False  # a callback asked to stop before config.steps
+
+
+class PuzzleStream:
+    """The training puzzles in a fresh seeded order each epoch; ``batch(step)`` depends only on (seed, step), so a
+    resumed run sees the same puzzles as a straight one without saving any sampler state."""
+
+    def __init__(self, puzzles: Sequence[Puzzle], per_step: int, seed: int):
+        self.puzzles, self.per_step, self.seed = list(puzzles), per_step, seed
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.puzzles))}
+        return self._orders[epoch]
+
+    def batch(self, step: int) -> list[Puzzle]:
+        """Puzzles of RL step ``step`` (1-based)."""
+        n = len(self.puzzles)
+        flat = range((step - 1) * self.per_step, step * self.per_step)
+        return [self.puzzles[self._order(i // n)[i % n]] for i in flat]
+
+
+# fields a resumed run may change (everything else must match the saved config)
+RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "progress", "run_dir")
+
+
+def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool = False) -> TrainResult:
+    """Run ``config.steps`` RL steps, logging each to ``config.run_dir``; see the module docstring for one step.
+
+    callbacks: each is called with every step's metrics dict (after it is written); a truthy return ends training
+    cleanly after that step (a checkpoint is saved, so the run can resume). ``resume=True`` continues from the run
+    folder's latest checkpoint: weights, optimizer and RNG states are restored and metrics.jsonl is cut back to that
+    step, so on CPU the continued run reproduces a straight one exactly.
+    """
+    cfg = config
+    if cfg.run_dir is None:
+        cfg = replace(cfg, run_dir=str(Path("runs") / f"{cfg.method.lower()}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    folder = runs.RunFolder(cfg.run_dir)
+    if resume:
+        saved = TrainConfig.from_dict(runs.load_config(folder.path))
+        changed = [f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(saved, f.name)]
+        changed = [name for name in changed if name not in RESUMABLE_CHANGES]
+        if changed:
+            raise ValueError(f"resume: config differs from {folder.path}/config.json in {changed}")
+    elif folder.exists():
+        raise ValueError(f"TrainConfig.run_dir {cfg.run_dir!r} already holds a run; pass resume=True or a new folder")
+
+    # data first: cheap, and a missing file fails before any model loads
+    stream = PuzzleStream(
+        load_split("train", cfg.train_people, cfg.data_root, cfg.train_limit), cfg.prompts_per_step, cfg.seed
+    )
+    eval_set = load_split("test", cfg.eval_people, cfg.data_root, cfg.eval_size) if cfg.eval_people else []
+
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_policy(cfg.model, cfg.lora_spec(), cfg.dtype, cfg.device, cfg.gradient_checkpointing)
+    reference = Reference(model) if cfg.kl_coef > 0 else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = params[0].is_cuda
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
+
+    start, history = 0, []
+    checkpoint = runs.latest_checkpoint(folder.path) if resume else None
+    if checkpoint is not None:
+        start = runs.load_checkpoint(checkpoint, model, optimizer)
+    if resume:
+        folder.truncate(start)
+        history = runs.load_metrics(folder.path)
+    folder.write_config(cfg.to_dict())
+
+    stopped = False
+    bar = tqdm(
+        range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc=cfg.method, disable=not cfg.progress
+    )
+    for step in bar:
+        t0 = time.perf_counter()
+        probe = cfg.probe_every > 0 and step % cfg.probe_every == 0
+        metrics = {"step": step, **train_step(model, tokenizer, optimizer, stream.batch(step), cfg, reference, probe)}
+        if eval_set and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            t_eval = time.perf_counter()
+            metrics.update(
+                evaluate(
+                    model,
+                    tokenizer,
+                    eval_set,
+                    prompt_style=cfg.prompt_style,
+                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+                    modes=cfg.eval_modes,
+                    temperature=cfg.eval_temperature,
+                    batch_size=cfg.generate_batch_size,
+                    seed=cfg.seed,
+                )
+            )
+            metrics["time/eval"] = time.perf_counter() - t_eval
+        metrics["time/step"] = time.perf_counter() - t0
+        folder.log(metrics)
+        history.append(metrics)
+        stopped = any([bool(callback(metrics)) for callback in callbacks])  # every callback sees every step
+        if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            runs.save_checkpoint(folder.path, step, model, optimizer, tokenizer)
+        bar.set_postfix({"reward": f"{metrics['reward/mean']:.2f}", "acc": f"{metrics['acc/all']:.2f}"})
+        if stopped:
+            break
+    bar.close()
+    return TrainResult(folder.path, model, tokenizer, cfg, history, stopped and history[-1]["step"] < cfg.steps)
+
+
+def load_trained(run_dir: str | Path, step: int | None = None, device: str | None = None):
+    """(model, tokenizer, config) of a run folder at its latest checkpoint, or at ``step``."""
+    cfg = TrainConfig.from_dict(runs.load_config(run_dir))
+    folder = Path(run_dir) / runs.CHECKPOINTS / f"step_{step}" if step is not None else runs.latest_checkpoint(run_dir)
+    if folder is None or not folder.is_dir():
+        raise FileNotFoundError(f"no checkpoint {'step_' + str(step) if step else ''} in {run_dir}/checkpoints")
+    model, tokenizer = load_policy(cfg.model, cfg.lora_spec(), cfg.dtype, device or cfg.device)
+    runs.load_checkpoint(folder, model, restore_rng=False)
+    return model, tokenizer, cfg
+
+
+# --- command line -----------------------------------------------------------------------------------------------------
+
+_ALIASES = {"ar_alpha": ["--ar"], "lopti_eta": ["--lopti"], "model": ["-m"]}
+
+
+def _none_or(kind: type) -> Callable[[str], Any]:
+    def parse(text: str):
+        return None if text.lower() in ("none", "null", "off") else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    """One option per TrainConfig field (--lora-r, --ar-alpha, ...), help from the field docstrings; unset options
+    keep the defaults (or the --config file's values)."""
+    docs = TrainConfig.field_docs()
+    hints = {f.name: f.type for f in fields(TrainConfig)}
+    for f in fields(TrainConfig):
+        flags = [f"--{f.name.replace('_', '-')}", *_ALIASES.get(f.name, [])]
+        hint, help_text = str(hints[f.name]), docs.get(f.name, "")
+        kind = int if "int" in hint else float if "float" in hint else str
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text.replace("%", "%%"), "dest": f.name}
+        if hint == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif hint.startswith("tuple"):
+            kwargs.update(nargs="*" if f.name == "eval_people" else "+", type=kind)
+        else:
+            kwargs["type"] = _none_or(kind) if "None" in hint else kind
+        parser.add_argument(*flags, **kwargs)
+
+
+def add_cli(subparsers) -> None:
+    """``lopti-lab train`` and ``lopti-lab eval`` (both live here; a second call adds nothing)."""
+    if "train" not in subparsers.choices:
+        p = subparsers.add_parser(
+            "train",
+            help="train a GRPO policy on K&K (AR: --ar ALPHA, Lopti: --lopti ETA)",
+            description=__doc__.splitlines()[0],
+        )
+        p.add_argument("--config", help="a JSON file of TrainConfig fields (e.g. a run's config.json)")
+        p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+        _add_config_options(p)
+        p.set_defaults(func=_cli_train)
+    if "eval" not in subparsers.choices:
+        p = subparsers.add_parser("eval", help="K&K test accuracy of a model or a trained run, by people count")
+        source = p.add_mutually_exclusive_group(required=True)
+        source.add_argument("--model", "-m", help="hub id, local folder or 'lab' (no adapter)")
+        source.add_argument("--run", help="a run folder: its model with the latest (or --step) checkpoint")
+        p.add_argument("--step", type=int, help="checkpoint step of --run (default: latest)")
+        p.add_argument("--people", type=int, nargs="+", default=[3, 4, 5, 6, 7])
+        p.add_argument("--size", type=int, default=100, help="test puzzles per people count")
+        p.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"])
+        p.add_argument("--temperature", type=float, default=1.0, help="temperature of the 'sample' mode")
+        p.add_argument("--max-new-tokens", type=int, default=4096)
+        p.add_argument("--prompt-style", default=None, help="default: the run's, else instruct")
+        p.add_argument("--data-root", default=None)
+        p.add_argument("--batch-size", type=int, default=None, help="rows per generate call")
+        p.add_argument("--device", default="auto")
+        p.add_argument("--dtype", default="auto")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", help="also write the metrics to this JSON file")
+        p.set_defaults(func=_cli_eval)
+
+
+def _cli_train(args: argparse.Namespace) -> int:
+    values = json.loads(Path(args.config).read_text(encoding="utf-8")) if args.config else {}
+    values.update({f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    try:
+        cfg = TrainConfig.from_dict(values)
+    except ValueError as err:
+        print(f"lopti-lab train: {err}", file=sys.stderr)
+        return 2
+    result = train(cfg, resume=args.resume)
+    last = result.history[-1] if result.history else {}
+    print(f"{cfg.method}: {len(result.history)} steps in {result.run_dir}")
+    for key in sorted(k for k in last if k.startswith(("eval/", "acc/all", "reward/mean"))):
+        print(f"  {key:32s} {last[key]:.4f}")
+    return 0
+
+
+def _cli_eval(args: argparse.Namespace) -> int:
+    if args.run:
+        model, tokenizer, cfg = load_trained(args.run, args.step, args.device)
+        style, root = args.prompt_style or cfg.prompt_style, args.data_root or cfg.data_root
+    else:
+        model, tokenizer = load_policy(args.model, lora=None, dtype=args.dtype, device=args.device)
+        style, root = args.prompt_style or "instruct", args.data_root
+    puzzles = load_split("test", args.people, root, args.size)
+    metrics = evaluate(
+        model,
+        tokenizer,
+        puzzles,
+        prompt_style=style,
+        max_new_tokens=args.max_new_tokens,
+        modes=args.modes,
+        temperature=args.temperature,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    for key, value in metrics.items():
+        print(f"{key:32s} {value:.4f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    return 0

@@ -1,0 +1,146 @@
+"""The lab model: its tokenizer on the real K&K text, its warm-start data, and loading it offline."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from kk_fixtures import reference_records
+
+from lopti_lab.kk import build_prompt, generate_puzzle, instruct_prompt, score_response
+from lopti_lab.labmodel import (
+    LAB_PROMPT_STYLE,
+    TAG_TOKENS,
+    LabModelSpec,
+    PretrainConfig,
+    build_model,
+    build_tokenizer,
+    collate,
+    encode_example,
+    lab_model_dir,
+    lab_response,
+    load_lab_model,
+    lr_at,
+    pretrain,
+)
+
+BUNDLED = lab_model_dir()
+needs_bundle = pytest.mark.skipif(not (BUNDLED / "config.json").is_file(), reason="lab model not built yet")
+
+
+@pytest.fixture(scope="module")
+def lab_tokenizer():
+    if (BUNDLED / "tokenizer.json").is_file():
+        return load_lab_model(BUNDLED)[1]
+    return build_tokenizer(n_puzzles=300)
+
+
+def test_tokenizer_round_trips_every_reference_quiz(shared_kk, lab_tokenizer):
+    unk = lab_tokenizer.unk_token_id
+    for r in reference_records():
+        ids = lab_tokenizer(r["quiz"], add_special_tokens=False)["input_ids"]
+        assert unk is None or unk not in ids
+        assert lab_tokenizer.decode(ids) == r["quiz"]
+        full = instruct_prompt(generate_puzzle(3, r["index"])) + " ".join(r["cot_repeat_steps"])
+        assert lab_tokenizer.decode(lab_tokenizer(full, add_special_tokens=False)["input_ids"]) == full
+
+
+def test_tags_are_single_tokens_that_survive_decoding(lab_tokenizer):
+    for tag in TAG_TOKENS:
+        ids = lab_tokenizer(tag, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1
+        assert lab_tokenizer.decode(ids, skip_special_tokens=True) == tag
+    assert lab_tokenizer.decode([lab_tokenizer.eos_token_id], skip_special_tokens=True) == ""
+    p = generate_puzzle(3, 0)
+    text = lab_response(p)
+    decoded = lab_tokenizer.decode(
+        lab_tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"], skip_special_tokens=True
+    )
+    assert decoded == text and score_response(decoded, p).total == 3
+
+
+def test_chat_template_gives_the_lab_prompt(lab_tokenizer):
+    p = generate_puzzle(2, 3)
+    prompt = build_prompt(p, LAB_PROMPT_STYLE, lab_tokenizer)
+    assert prompt == f"<|im_start|>user\n{p.quiz}<|im_end|>\n<|im_start|>assistant\n<think>"
+    with_system = build_prompt(p, "chat", lab_tokenizer)
+    assert with_system.startswith("<|im_start|>system\nYou are a helpful assistant.")
+
+
+def test_examples_put_the_loss_on_the_response_only(lab_tokenizer):
+    puzzles = [generate_puzzle(2, 0), generate_puzzle(4, 1)]
+    examples = [encode_example(lab_tokenizer, p) for p in puzzles]
+    _, mask, labels = collate(examples, lab_tokenizer.pad_token_id)
+    for row, ((full, n_prompt), p) in enumerate(zip(examples, puzzles)):
+        target = labels[row][labels[row] != -100].tolist()
+        assert target == full[n_prompt:]
+        assert target[-1] == lab_tokenizer.eos_token_id
+        assert lab_tokenizer.decode(target, skip_special_tokens=True) == lab_response(p)
+        assert mask[row].sum() == len(full)
+
+
+def test_learning_rate_schedule():
+    cfg = PretrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+    assert lr_at(55, cfg) == pytest.approx(0.55)
+
+
+@pytest.mark.parametrize(("field", "value"), [("steps", 0), ("batch_size", -1), ("lr", 0.0), ("people", ())])
+def test_bad_pretrain_config_is_named(field, value):
+    kwargs = {field: value}
+    if field == "people":
+        kwargs["people_weights"] = ()
+    with pytest.raises(ValueError, match=field):
+        PretrainConfig(**kwargs)
+
+
+def test_pretrain_smoke_saves_a_loadable_model(tmp_path):
+    spec = LabModelSpec(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    cfg = PretrainConfig(
+        people=(2,), people_weights=(1.0,), steps=3, batch_size=4, eval_every=2, eval_size=2, spec=spec, warmup_steps=1
+    )
+    summary = pretrain(cfg, tmp_path / "lab", progress=False)
+    assert summary["steps_done"] == 3 and len(summary["log"]) == 3
+    assert "test/greedy/acc_2ppl" in summary["log"][1] and "test/sample/acc_2ppl" in summary["final_eval"]
+    model, _ = load_lab_model(tmp_path / "lab")
+    assert model.config.hidden_size == 32
+    saved = json.loads((tmp_path / "lab" / "lab_model.json").read_text())
+    assert saved["config"]["spec"]["hidden_size"] == 32
+    first = build_model(build_tokenizer(n_puzzles=300), spec, seed=cfg.seed)
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), first.state_dict().values()))
+
+
+def test_missing_lab_model_is_explained(tmp_path):
+    with pytest.raises(FileNotFoundError, match="lopti-lab pretrain"):
+        load_lab_model(tmp_path)
+
+
+@needs_bundle
+def test_bundled_model_loads_offline_and_answers(tmp_path):
+    code = (
+        "from lopti_lab.models import load_policy\n"
+        "from lopti_lab.kk import load_split, build_prompt, score_response\n"
+        "from lopti_lab.rollout import sample\n"
+        "model, tok = load_policy('lab', lora=None)\n"
+        "ps = load_split('test', 2, limit=8)\n"
+        "r = sample(model, tok, [build_prompt(p, 'chat_quiz', tok) for p in ps], greedy=True, max_new_tokens=200)\n"
+        "print(sum(score_response(t, p).format_score > 0 for t, p in zip(r.texts, ps)))\n"
+    )
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HOME=str(tmp_path / "empty_hf_home"),
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.strip().splitlines()[-1]) >= 7, "the warm start writes well-formed answers"
+    size = sum(f.stat().st_size for f in BUNDLED.iterdir())
+    assert size < 30e6

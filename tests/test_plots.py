@@ -1,0 +1,129 @@
+"""The Fig. 1 and Fig. 2 functions draw what their tables hold (Agg, no display)."""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from matplotlib.collections import PathCollection, PolyCollection
+from tiny import tiny_qwen2
+
+from lopti_lab.plots import fig1, fig2
+from lopti_lab.probes import probability_shift, selective_sweep, token_stats
+from lopti_lab.theory import ToyConfig, simulate
+
+TOY = ToyConfig(vocab_size=64, n_states=16, feature_dim=4, seq_len=8, n_prompts=4, group_size=4, steps=2)
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    """Fig. 1's data on a tiny model made confident (final norm x 11) so that its own samples fill every bin."""
+    model = tiny_qwen2(300).double()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(11.0)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (8, 24), generator=gen)
+    with torch.no_grad():  # responses sampled from the model itself, as in RL
+        for t in range(12, 24):
+            logits = model(input_ids=ids[:, :t]).logits[:, -1]
+            ids[:, t] = torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1)
+    attn = torch.ones_like(ids)
+    mask = torch.ones(8, 12, dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 1.0, -1.0], dtype=torch.float64)
+    tokens, grads = selective_sweep(model, ids, attn, mask, adv, lr=0.1)
+    return tokens, grads, model, (ids, attn, mask, adv)
+
+
+def rendered(fig) -> None:
+    fig.savefig(io.BytesIO(), format="png")  # draws every artist: fails on bad data
+
+
+def test_fig1_has_the_six_panels_with_their_data(sweep):
+    tokens, grads, _, _ = sweep
+    fig = fig1(tokens, grads, title="tiny model")
+    axes = fig.axes
+    assert [ax.get_title()[:3] for ax in axes] == ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)"]
+    everything = tokens[tokens["update"] == "all"]
+    shares = everything["bin"].value_counts(normalize=True).sort_index().to_numpy()
+    heights = [p.get_height() for p in axes[0].patches]
+    np.testing.assert_allclose(heights, shares)  # (a): the token share of each bin
+    assert len(axes[1].lines) > 0  # (b): box plots are lines
+    # (d): one bar per bin and one for all, at the sweep's gradient norms
+    np.testing.assert_allclose(
+        [p.get_height() for p in axes[3].patches],
+        grads.set_index("update")["grad_norm"].loc[["bin0", "bin1", "bin2", "bin3", "all"]],
+    )
+    for ax in (axes[2], axes[4], axes[5]):  # (c), (e), (f): boxes of both advantage signs, shared y
+        assert len(ax.patches) >= 2 and ax.get_ylabel() == "probability change"
+    assert axes[4].get_shared_y_axes().joined(axes[2], axes[4])
+    assert [t.get_text() for t in axes[2].get_legend().get_texts()] == ["A > 0", "A < 0"]
+    rendered(fig)
+
+
+def test_fig1_rejects_incomplete_tables(sweep):
+    tokens, grads, _, _ = sweep
+    with pytest.raises(ValueError, match="delta_p"):
+        fig1(tokens.drop(columns="delta_p"), grads)
+    with pytest.raises(ValueError, match="bin3"):
+        fig1(tokens[tokens["update"] != "bin3"], grads)
+
+
+def test_fig2_wedge_from_a_model_and_correct_ratio_per_method(sweep):
+    _, _, model, (ids, attn, mask, adv) = sweep
+    stats = token_stats(model, ids, attn, mask)
+    tokens = stats.to_frame()
+    # a correct-ratio table per "method": two fake updates of known effect
+    old = stats.logp
+    shifts = []
+    for method, new in (("up", old + 0.1), ("down", old - 0.1)):
+        shifts.append(probability_shift(old, new, adv, mask, bins=(0, 0.5, 1)).bins.assign(method=method))
+    fig = fig2(tokens, stats.vocab_size, pd.concat(shifts))
+    wedge, ratio = fig.axes
+    scatter = [c for c in wedge.collections if isinstance(c, PathCollection)]
+    assert len(scatter) == 1 and len(scatter[0].get_offsets()) == len(tokens)
+    np.testing.assert_allclose(np.asarray(scatter[0].get_offsets())[:, 1], tokens["grad_norm"])
+    upper, lower = wedge.lines[:2]
+    assert upper.get_ydata()[0] == pytest.approx(np.sqrt(2)) and upper.get_ydata()[-1] == pytest.approx(0)
+    assert lower.get_ydata()[0] == pytest.approx(np.sqrt(stats.vocab_size / (stats.vocab_size - 1)))
+    assert any(isinstance(c, PolyCollection) for c in wedge.collections)  # the shaded wedge
+    lines = {line.get_label(): line.get_ydata() for line in ratio.lines if not line.get_label().startswith("_")}
+    assert set(lines) == {"up", "down"}
+    np.testing.assert_allclose(lines["up"], [1.0, 1.0])  # every A > 0 token went up
+    np.testing.assert_allclose(lines["down"], [0.0, 0.0])
+    rendered(fig)
+
+
+def test_fig2_pools_the_toy_steps_and_draws_one_line_per_method():
+    res = simulate(TOY)
+    fig = fig2(res.tokens, TOY.vocab_size, res.shift)
+    wedge, ratio = fig.axes
+    scatter = next(c for c in wedge.collections if isinstance(c, PathCollection))
+    assert len(scatter.get_offsets()) == len(res.tokens)
+    methods = [line.get_label() for line in ratio.lines if not line.get_label().startswith("_")]
+    assert methods == list(res.steps["method"].unique())
+    # pooled over steps, weighted by tokens: the GRPO line is the token-weighted mean of its cells
+    cells = res.shift[(res.shift["method"] == "GRPO") & (res.shift["sign"] == "pos") & (res.shift["n_tokens"] > 0)]
+    pooled = cells.groupby("bin").apply(lambda c: (c.correct_ratio * c.n_tokens).sum() / c.n_tokens.sum())
+    grpo = next(line for line in ratio.lines if line.get_label() == "GRPO").get_ydata()
+    np.testing.assert_allclose(np.asarray(grpo)[pooled.index], pooled.to_numpy())
+    only_b = fig2(shift=res.shift, sign="neg")
+    assert len(only_b.axes) == 1 and "A < 0" in only_b.axes[0].get_ylabel()
+    sampled = fig2(res.tokens, TOY.vocab_size, max_points=100)
+    assert len(next(c for c in sampled.axes[0].collections if isinstance(c, PathCollection)).get_offsets()) == 100
+    rendered(fig)
+
+
+def test_fig2_bad_input():
+    with pytest.raises(ValueError, match="tokens"):
+        fig2()
+    with pytest.raises(ValueError, match="vocab_size"):
+        fig2(pd.DataFrame({"prob": [0.5], "grad_norm": [0.6]}))
+    with pytest.raises(ValueError, match="sign"):
+        fig2(shift=pd.DataFrame(), sign="both")

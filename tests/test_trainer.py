@@ -1,0 +1,361 @@
+"""trainer.py: config validation, 2-step smoke runs of GRPO / AR / Lopti / AR+Lopti on a tiny random Qwen2, the Lopti
+stage order, resume == straight run, non-finite steps, callbacks, evaluation and the CLI.
+
+The tiny random model never solves a puzzle, so the runs score completions with a fake reward (a hash of the text:
+3 or -0.5) that gives groups nonzero advantages; the real reward has its own tests (test_kk_reward.py).
+"""
+
+import json
+import math
+import zlib
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny import tiny_qwen2, tiny_tokenizer
+
+import lopti_lab.trainer as trainer
+from lopti_lab import runs
+from lopti_lab.kk import Reward, load_split
+from lopti_lab.models import LoraSpec, load_policy, trainable_state_dict
+from lopti_lab.trainer import TrainConfig, evaluate, train, train_step
+
+VARIANTS = {
+    "GRPO": {},
+    "GRPO+AR": {"ar_alpha": 0.3},
+    "GRPO+Lopti": {"lopti_eta": 0.5},
+    "GRPO+AR+Lopti": {"ar_alpha": 0.3, "lopti_eta": 0.5},
+}
+REQUIRED = [
+    "step", "reward/mean", "reward/std", "acc/all", "format/error_rate", "len/response_mean", "groups/zero_var_share",
+    "policy/entropy", "policy/approx_kl", "policy/clip_frac_low", "policy/clip_frac_high", "policy/kl", "loss/policy",
+    "grad/norm", "update/optimizer_steps", "skipped/nonfinite", "time/generate", "time/score", "time/update",
+]  # fmt: skip
+
+
+def fake_score(text, puzzle):
+    total = 3.0 if zlib.crc32(text.encode()) % 3 == 0 else -0.5
+    return Reward(total, 1.0, total - 1.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and the CI machine's cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = tiny_tokenizer()
+    path = tmp_path_factory.mktemp("tiny_policy")
+    tiny_qwen2(len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def config(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "score_response", fake_score)
+    return TrainConfig(
+        model=str(model_dir),
+        lora_r=4,
+        lora_alpha=8,
+        prompt_style="base",  # the shortest prompt: fits the tiny model's 512 positions with room to answer
+        train_people=(3, 4),
+        train_limit=8,
+        eval_people=(3,),
+        eval_size=2,
+        eval_modes=("greedy",),
+        eval_every=0,
+        prompts_per_step=2,
+        group_size=4,
+        minibatch_size=4,
+        max_new_tokens=10,
+        lr=5e-3,
+        steps=2,
+        save_every=0,
+        run_dir=str(tmp_path / "run"),
+        progress=False,
+    )
+
+
+def _base_weights_unchanged(model, model_dir) -> bool:
+    original = tiny_qwen2(len(tiny_tokenizer())).state_dict()
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            continue
+        key = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if not torch.equal(param.detach(), original[key]):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("method", list(VARIANTS))
+def test_two_steps_train_the_adapter_only(config, model_dir, method):
+    cfg = replace(config, **VARIANTS[method])
+    assert cfg.method == method
+    result = train(cfg)
+
+    lora_b = [p for n, p in result.model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # LoRA B starts at zero: it moved
+    assert _base_weights_unchanged(result.model, model_dir)
+    assert [m["step"] for m in result.history] == [1, 2]
+    for metrics in result.history:
+        assert set(REQUIRED) <= set(metrics)
+        assert all(math.isfinite(v) for v in metrics.values()), metrics
+        assert metrics["skipped/nonfinite"] == 0
+        stages = 2 if cfg.lopti_eta else 1
+        assert metrics["update/optimizer_steps"] == stages * 2  # 2 minibatches of 4 rows per stage
+    assert result.history[-1]["policy/kl"] > 0  # step 2 starts away from the reference
+    assert "eval/greedy/acc_3ppl" in result.history[-1] and "eval/greedy/acc_all" in result.history[-1]
+    assert ("ar/weight_mean" in result.history[0]) == bool(cfg.ar_alpha)
+    assert ("lopti/low_share" in result.history[0]) == bool(cfg.lopti_eta)
+
+    run = result.run_dir
+    assert json.loads((run / "config.json").read_text()) == cfg.to_dict()
+    assert [r["step"] for r in runs.load_metrics(run)] == [1, 2]
+    checkpoint = runs.latest_checkpoint(run)
+    assert checkpoint.name == "step_2"
+    assert {p.name for p in checkpoint.iterdir()} == {"adapter", "optimizer.pt", "rng.pt", "state.json"}
+    assert (checkpoint / "adapter" / "adapter_model.safetensors").is_file()
+    df = runs.load_run(run)
+    assert df.attrs["method"] == method and list(df["step"]) == [1, 2]
+
+
+@pytest.mark.parametrize("order", ["low_first", "high_first"])
+def test_lopti_updates_all_low_minibatches_then_all_high(config, monkeypatch, order):
+    """Spies: the stage masks that reach policy_loss, the old_logp they see, and optimizer.step calls."""
+    stage_masks, calls, steps = {}, [], []
+    real_stages, real_loss, real_step = trainer.lopti_stages, trainer.policy_loss, torch.optim.AdamW.step
+    n_reweight = []
+
+    def spy_stages(old_logp, mask, eta, order):
+        stages = real_stages(old_logp, mask, eta, order)
+        stage_masks.update({name: m for name, m in stages})
+        return stages
+
+    def spy_loss(logp, old_logp, advantages, mask, **kw):
+        calls.append((mask.clone(), old_logp.data_ptr(), kw["denom"].item()))
+        return real_loss(logp, old_logp, advantages, mask, **kw)
+
+    def spy_step(self, *args, **kwargs):
+        steps.append(len(calls))
+        return real_step(self, *args, **kwargs)
+
+    def spy_reweight(*args):
+        n_reweight.append(1)
+        return trainer_reweight(*args)
+
+    trainer_reweight = trainer.reweight_advantages
+    monkeypatch.setattr(trainer, "lopti_stages", spy_stages)
+    monkeypatch.setattr(trainer, "policy_loss", spy_loss)
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy_step)
+    monkeypatch.setattr(trainer, "reweight_advantages", spy_reweight)
+    cfg = replace(config, ar_alpha=0.3, lopti_eta=0.5, lopti_order=order, steps=1, eval_people=())
+    result = train(cfg)
+
+    first, second = ("low", "high") if order == "low_first" else ("high", "low")
+    expected = [stage_masks[first][0:4], stage_masks[first][4:8], stage_masks[second][0:4], stage_masks[second][4:8]]
+    assert len(calls) == 4 and all(torch.equal(c[0], e) for c, e in zip(calls, expected, strict=True))
+    assert steps == [1, 2, 3, 4]  # one optimizer step after each minibatch, 2 per stage
+    assert result.history[0]["update/optimizer_steps"] == 4
+    assert calls[0][1] == calls[2][1] and calls[1][1] == calls[3][1]  # stage 2 reads the same old_logp tensor
+    full = [(stage_masks["low"] + stage_masks["high"])[rows].sum().item() for rows in (slice(0, 4), slice(4, 8))]
+    assert [c[2] for c in calls] == full + full  # each stage's token mean divides by ALL response tokens
+    assert len(n_reweight) == 1  # AR weights computed once per step, shared by both stages
+
+
+def test_resume_reproduces_a_straight_run(config, tmp_path):
+    """4 straight steps == 2 steps, a stop, and a resume for 2 more (same metrics.jsonl, timings aside)."""
+    cfg = replace(config, ar_alpha=0.3, lopti_eta=0.5, steps=4, save_every=2, eval_every=2)
+    straight = train(replace(cfg, run_dir=str(tmp_path / "straight")))
+    split = replace(cfg, run_dir=str(tmp_path / "split"))
+    first = train(split, callbacks=[lambda m: m["step"] == 2])
+    assert first.stopped and [m["step"] for m in first.history] == [1, 2]
+    second = train(split, resume=True)
+    assert [m["step"] for m in second.history] == [1, 2, 3, 4]
+
+    def values(run):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in runs.load_metrics(run)]
+
+    assert values(straight.run_dir) == values(second.run_dir)
+    for a, b in zip(trainable_state_dict(straight.model).values(), trainable_state_dict(second.model).values()):
+        assert torch.equal(a, b)
+
+
+def test_resume_cuts_metrics_back_to_the_checkpoint(config):
+    cfg = replace(config, steps=3, save_every=1)
+    train(replace(cfg, steps=2))
+    with open(f"{cfg.run_dir}/metrics.jsonl", "a") as f:  # a step 3 that never reached a checkpoint
+        f.write(json.dumps({"step": 3, "reward/mean": 0.0}) + "\n")
+    result = train(cfg, resume=True)
+    assert [r["step"] for r in runs.load_metrics(result.run_dir)] == [1, 2, 3]
+    assert "loss/policy" in runs.load_metrics(result.run_dir)[-1]
+    with pytest.raises(ValueError, match="lr"):
+        train(replace(cfg, lr=1.0), resume=True)
+
+
+def test_nonfinite_loss_skips_the_step_and_leaves_weights(config, monkeypatch):
+    real_loss = trainer.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(trainer, "policy_loss", nan_loss)
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(config.model, LoraSpec(r=4), device="cpu")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    before = trainable_state_dict(model)
+    puzzles = load_split("train", 3, limit=2)
+    metrics = train_step(model, tokenizer, optimizer, puzzles, config)
+    assert metrics["skipped/nonfinite"] == 1.0 and metrics["update/optimizer_steps"] == 0
+    assert all(torch.equal(before[n], p) for n, p in trainable_state_dict(model).items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not optimizer.state  # AdamW moments untouched too
+
+
+def test_callback_stop_ends_cleanly_with_a_checkpoint(config):
+    seen = []
+    result = train(replace(config, steps=5), callbacks=[lambda m: seen.append(m["step"]), lambda m: True])
+    assert seen == [1] and result.stopped and len(result.history) == 1
+    assert runs.latest_checkpoint(result.run_dir).name == "step_1"
+
+
+def test_full_finetune_checkpoint_round_trip(config):
+    result = train(replace(config, lora_r=None, steps=1, kl_coef=0.01, eval_people=()))
+    checkpoint = runs.latest_checkpoint(result.run_dir)
+    assert (checkpoint / "model.safetensors").is_file()
+    model, _, cfg = trainer.load_trained(result.run_dir, device="cpu")
+    assert cfg.lora_r is None
+    for (name, a), b in zip(model.state_dict().items(), result.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+BAD = [
+    ("ar_alpha", 1.5),
+    ("ar_alpha", -0.1),
+    ("lopti_eta", 0.0),
+    ("lopti_eta", 1.0),
+    ("group_size", 1),
+    ("minibatch_size", 3),  # does not divide B = 2 x 4
+    ("micro_batch_size", 3),
+    ("lopti_order", "middle"),
+    ("prompt_style", "poem"),
+    ("temperature", 0.0),
+    ("dual_clip", 0.5),
+    ("probe_bins", (0.0, 0.5)),
+    ("train_people", ()),
+    ("eval_modes", ("beam",)),
+    ("data_root", "/no/such/folder"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD)
+def test_bad_config_names_the_field(config, field, value):
+    with pytest.raises(ValueError, match=field):
+        replace(config, **{field: value})
+
+
+def test_missing_model_path_and_taken_run_dir_fail_before_loading(config, tmp_path, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(trainer, "load_policy", no_loading)
+    with pytest.raises(ValueError, match="model"):
+        replace(config, model=str(tmp_path / "nope"))
+    runs.RunFolder(config.run_dir).write_config(config.to_dict())
+    with pytest.raises(ValueError, match="run_dir"):
+        train(config)
+
+
+def test_config_round_trips_and_documents_every_field(config):
+    again = TrainConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config
+    docs = TrainConfig.field_docs()
+    assert set(docs) == {f for f in config.to_dict()} and all(docs.values())
+    with pytest.raises(ValueError, match="unknown"):
+        TrainConfig.from_dict({"alpha": 0.3})
+
+
+def test_evaluate_reports_accuracy_by_people(config, monkeypatch):
+    monkeypatch.setattr(trainer, "score_response", lambda text, p: Reward(3.0 if p.n_people == 3 else -3.0, 1, 2))
+    model, tokenizer = load_policy(config.model, None, device="cpu")
+    puzzles = load_split("test", [3, 4], limit=2)
+    out = evaluate(model, tokenizer, puzzles, prompt_style="base", max_new_tokens=4, modes=("greedy", "sample"))
+    assert out["eval/greedy/acc_3ppl"] == 1.0 and out["eval/greedy/acc_4ppl"] == 0.0
+    assert out["eval/sample/acc_all"] == 0.5  # mean over people counts
+    rng = torch.get_rng_state()
+    evaluate(model, tokenizer, puzzles, prompt_style="base", max_new_tokens=4, modes=("sample",))
+    assert torch.equal(rng, torch.get_rng_state())  # evaluation does not consume the training RNG
+
+
+def test_cli_train_and_eval(config, capsys):
+    from lopti_lab.cli import main
+
+    argv = ["train", "--model", config.model, "--lora-r", "none", "--ar", "0.3", "--lopti", "0.4", "--steps", "1",
+            "--prompts-per-step", "2", "--group-size", "2", "--minibatch-size", "2", "--max-new-tokens", "4",
+            "--train-people", "3", "--train-limit", "4", "--eval-people", "--prompt-style", "base",
+            "--run-dir", config.run_dir, "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    saved = runs.load_config(config.run_dir)
+    assert saved["ar_alpha"] == 0.3 and saved["lopti_eta"] == 0.4 and saved["lora_r"] is None
+    assert "GRPO+AR+Lopti" in capsys.readouterr().out
+    eval_argv = ["eval", "--run", config.run_dir, "--people", "3", "--size", "2", "--modes", "greedy",
+                 "--max-new-tokens", "4", "--device", "cpu"]  # fmt: skip
+    assert main(eval_argv) == 0
+    assert "eval/greedy/acc_3ppl" in capsys.readouterr().out
+
+
+def test_gradient_probe_metrics_every_k_steps(config):
+    """With one minibatch and one micro-batch, the probe sees exactly the step's gradient: its norm is grad/norm."""
+    cfg = replace(config, steps=2, probe_every=2, minibatch_size=8, eval_people=())
+    history = train(cfg).history
+    assert not any(k.startswith("grad/share") for k in history[0])  # step 1: not a probe step
+    probed = history[1]
+    shares = [probed[f"grad/share_bin{i}"] for i in range(4)] + [probed["grad/share_context"]]
+    assert sum(shares) == pytest.approx(1.0, abs=1e-4)
+    assert sum(probed[f"tokens/share_bin{i}"] for i in range(4)) == pytest.approx(1.0)
+    assert probed["grad/norm_probed"] == pytest.approx(probed["grad/norm"], rel=1e-4)
+
+
+def test_gradient_probe_with_lopti_and_full_finetune(config):
+    cfg = replace(config, lora_r=None, steps=1, probe_every=1, lopti_eta=0.5, micro_batch_size=2, eval_people=())
+    metrics = train(cfg).history[0]
+    assert all(math.isfinite(metrics[f"grad/share_bin{i}"]) for i in range(4))
+    # a random model gives every token pi ~ 1 / V: all in bin 0 and all in Lopti's low stage
+    assert metrics["tokens/share_bin0"] == 1.0 == metrics["lopti/low_share"]
+    assert metrics["grad/share_bin0"] + metrics["grad/share_context"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("change", [{"micro_batch_size": 2}, {"gradient_checkpointing": True}])
+def test_micro_batches_and_checkpointing_give_the_same_update(config, tmp_path, change):
+    """Gradient accumulation over micro-batches (token mean over the whole minibatch) and activation checkpointing
+    change the arithmetic's order only."""
+    cfg = replace(config, steps=1, lopti_eta=0.5, eval_people=())
+    plain = train(replace(cfg, run_dir=str(tmp_path / "plain")))
+    other = train(replace(cfg, run_dir=str(tmp_path / "other"), **change))
+    assert plain.history[0]["loss/policy"] == pytest.approx(other.history[0]["loss/policy"], abs=1e-6)
+    for a, b in zip(trainable_state_dict(plain.model).values(), trainable_state_dict(other.model).values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_single_step_grpo_reuses_its_update_forward_as_pi_old(config, tmp_path, monkeypatch):
+    """One optimizer step per rollout (GRPO, minibatch = B): the update's own forward gives pi_old exactly, so the
+    rollout's log-prob forward is skipped. AR with alpha = 0 is the same algorithm but must compute pi_old first:
+    both runs must agree to rounding."""
+    cfg = replace(config, steps=2, minibatch_size=8, eval_people=(), kl_coef=0.0)
+    calls = []
+    real = trainer.add_logprobs
+    monkeypatch.setattr(trainer, "add_logprobs", lambda *a, **k: calls.append(k["policy"]) or real(*a, **k))
+    fast = train(replace(cfg, run_dir=str(tmp_path / "fast")))
+    slow = train(replace(cfg, run_dir=str(tmp_path / "slow"), ar_alpha=0.0))
+    assert calls == [False, False, True, True]
+    for a, b in zip(fast.history, slow.history, strict=True):
+        for key in ("loss/policy", "grad/norm", "policy/entropy", "reward/mean", "policy/clip_frac_high"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    for a, b in zip(trainable_state_dict(fast.model).values(), trainable_state_dict(slow.model).values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
