@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, str] = {
     "data": "lopti_lab.kk.data",
     "train": "lopti_lab.trainer",
     "eval": "lopti_lab.trainer",
+    "pretrain": "lopti_lab.labmodel",
+    "demo": "lopti_lab.experiments",
 }
 
 

@@ -13,18 +13,22 @@ weights: the cleanest view of what AR and Lopti change, free of sampling noise.
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import pandas as pd
 import torch
 
-from lopti_lab.kk import Puzzle, build_prompt
+from lopti_lab import plots, runs
+from lopti_lab.kk import Puzzle, build_prompt, load_split
 from lopti_lab.objective import group_advantages
 from lopti_lab.probes import probability_shift
 from lopti_lab.rollout import Rollout, response_logprobs, sample
 from lopti_lab.theory import DEFAULT_BINS
-from lopti_lab.trainer import TrainConfig, advantages_and_stages, score_rollout, update_policy
+from lopti_lab.trainer import TrainConfig, advantages_and_stages, evaluate, score_rollout, train, update_policy
 
 METHODS: dict[str, dict] = {
     "GRPO": {},
@@ -33,6 +37,23 @@ METHODS: dict[str, dict] = {
     "GRPO+AR+Lopti": {"ar_alpha": 0.3, "lopti_eta": 0.5},
 }
 """The paper's four variants with its K&K settings (alpha = 0.3, eta = 0.5), as TrainConfig overrides."""
+
+PAPER_TABLE = pd.DataFrame(
+    [
+        ("Qwen2.5-3B-Instruct", 0.09, 0.10, 0.03, 0.05, 0.02, 0.06),
+        ("+ GRPO", 0.60, 0.45, 0.33, 0.34, 0.23, 0.39),
+        ("+ GRPO + AR", 0.67, 0.62, 0.53, 0.44, 0.37, 0.53),
+        ("+ GRPO + Lopti", 0.74, 0.67, 0.56, 0.42, 0.30, 0.54),
+        ("+ GRPO + AR + Lopti", 0.72, 0.66, 0.55, 0.52, 0.40, 0.57),
+        ("Qwen2.5-7B-Instruct-1M", 0.22, 0.15, 0.08, 0.10, 0.02, 0.11),
+        ("+ GRPO", 0.91, 0.91, 0.77, 0.65, 0.61, 0.77),
+        ("+ GRPO + AR", 0.97, 0.98, 0.89, 0.83, 0.80, 0.89),
+        ("+ GRPO + Lopti", 0.95, 0.94, 0.84, 0.80, 0.76, 0.86),
+        ("+ GRPO + AR + Lopti", 0.95, 0.94, 0.91, 0.87, 0.87, 0.91),
+    ],
+    columns=["model", "3ppl", "4ppl", "5ppl", "6ppl", "7ppl", "avg"],
+).set_index("model")
+"""The paper's K&K accuracy table (PAPER.md §6): share of test puzzles with reward 3, by people count."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -149,3 +170,316 @@ def counterfactual(
         bins=pd.concat([s.bins.assign(method=n) for n, s in shifts], ignore_index=True),
         updates=pd.DataFrame(updates),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the lab demo: GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti on the lab model, on a laptop CPU
+
+
+@dataclass
+class DemoConfig:
+    """`lopti-lab demo`: the four methods on the lab model, same data and seeds, then a report folder.
+
+    The RL settings are the paper's (PAPER.md §6: clip 0.2 / 0.24, dual clip 10, token-mean loss, AR alpha 0.3,
+    Lopti eta 0.5) scaled down to a CPU: fewer prompts per step, shorter responses, and no KL term (it costs a
+    second forward per step; at 0.001 it barely acts in a few dozen steps). Nothing here is tuned per method.
+    """
+
+    out: str = "reports/demo"
+    """report folder (created; runs/ inside holds each run folder)"""
+    seeds: int = 1
+    """seeds per method (> 1 gives spreads)"""
+    quick: bool = False
+    """a two-minute smoke version (tests): 2 steps, small evaluation"""
+    steps: int = 24
+    """RL steps per run"""
+    prompts_per_step: int = 8
+    group_size: int = 8
+    lr: float = 2e-5
+    """AdamW learning rate (full fine-tuning of the lab model)"""
+    temperature: float = 0.7
+    """rollout temperature (the paper's 0.7); evaluation samples at 1.0"""
+    max_new_tokens: int = 200
+    train_people: tuple[int, ...] = (3, 4, 5)
+    eval_people: tuple[int, ...] = (2, 3, 4, 5)
+    eval_size: int = 100
+    """test puzzles per people count"""
+    eval_samples: int = 4
+    """sampled completions per test puzzle at temperature 1.0"""
+    probe_every: int = 4
+    methods: tuple[str, ...] = tuple(METHODS)
+    model: str = "lab"
+    threads: int | None = None
+    """torch threads (None: torch's default)"""
+
+    def __post_init__(self):
+        self.train_people, self.eval_people, self.methods = (
+            tuple(self.train_people),
+            tuple(self.eval_people),
+            tuple(self.methods),
+        )
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"DemoConfig.methods: unknown {unknown}; choose from {list(METHODS)}")
+        for name in ("seeds", "steps", "prompts_per_step", "group_size", "eval_size", "eval_samples"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DemoConfig.{name} must be an int >= 1, got {value!r}")
+        if self.quick:
+            self.steps, self.eval_size, self.eval_samples = 2, 8, 1
+            self.eval_people, self.probe_every = self.eval_people[:2], 1
+
+    def train_config(self, method: str, seed: int, run_dir: Path) -> TrainConfig:
+        """The TrainConfig of one run: every method shares everything but its own switches."""
+        return TrainConfig(
+            model=self.model,
+            lora_r=None,
+            prompt_style="chat_quiz",
+            train_people=self.train_people,
+            eval_people=self.eval_people,
+            prompts_per_step=self.prompts_per_step,
+            group_size=self.group_size,
+            temperature=self.temperature,
+            max_new_tokens=self.max_new_tokens,
+            lr=self.lr,
+            minibatch_size=self.prompts_per_step * self.group_size,
+            kl_coef=0.0,
+            steps=self.steps,
+            seed=seed,
+            eval_every=0,
+            eval_size=self.eval_size,
+            eval_samples=self.eval_samples,
+            probe_every=self.probe_every,
+            save_every=0,
+            run_dir=str(run_dir),
+            progress=True,
+            **METHODS[method],
+        )
+
+
+def slug(method: str) -> str:
+    return method.lower().replace("+", "_")
+
+
+def run_demo(config: DemoConfig) -> Path:
+    """Train every (method, seed), evaluate the warm start once, and write the report; returns the report folder."""
+    from lopti_lab.models import load_policy
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    base = config.train_config(config.methods[0], 0, out / "runs" / "probe")  # validates before any work
+    model, tokenizer = load_policy(config.model, lora=None)
+    test = load_split("test", config.eval_people, limit=config.eval_size)
+    warm = evaluate(
+        model,
+        tokenizer,
+        test,
+        prompt_style="chat_quiz",
+        max_new_tokens=config.max_new_tokens,
+        samples=config.eval_samples,
+        seed=0,
+    )
+    batch = frozen_batch(
+        model,
+        tokenizer,
+        load_split("train", config.train_people, limit=4 if config.quick else 16),
+        config.group_size,
+        temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens,
+    )
+    shift = counterfactual(
+        model,
+        batch,
+        {m: METHODS[m] for m in config.methods},
+        lr=base.lr,
+        optimizer="adamw",
+        base=replace(base, prompts_per_step=len(batch.puzzles), minibatch_size=len(batch.rollout)),
+    )
+    del model
+    run_dirs = {}
+    for seed in range(config.seeds):
+        for method in config.methods:
+            run_dir = out / "runs" / f"{slug(method)}-seed{seed}"
+            if run_dir.exists() and (run_dir / "metrics.jsonl").is_file() and _finished(run_dir, config.steps):
+                run_dirs[(method, seed)] = run_dir  # an earlier, complete run of the same report: keep it
+                continue
+            train(config.train_config(method, seed, run_dir), resume=run_dir.exists())
+            run_dirs[(method, seed)] = run_dir
+    report = write_report(config, out, run_dirs, warm, shift, minutes=(time.perf_counter() - start) / 60)
+    return report
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    records = runs.load_metrics(run_dir)
+    return bool(records) and records[-1]["step"] >= steps
+
+
+def accuracy_table(config: DemoConfig, run_dirs: dict, warm: dict, mode: str = "sample") -> pd.DataFrame:
+    """The paper's layout: one row per model (warm start, + each method), one column per people count and avg;
+    mean over seeds, with the std over seeds in a second frame when there are several seeds."""
+    people = list(config.eval_people)
+    rows = [
+        {"model": "Lab model (warm start)", "seed": 0, **{f"{n}ppl": warm[f"eval/{mode}/acc_{n}ppl"] for n in people}}
+    ]
+    for (method, seed), run_dir in run_dirs.items():
+        last = runs.load_metrics(run_dir)[-1]
+        rows.append(
+            {
+                "model": f"+ {method.replace('+', ' + ')}",
+                "seed": seed,
+                **{f"{n}ppl": last[f"eval/{mode}/acc_{n}ppl"] for n in people},
+            }
+        )
+    frame = pd.DataFrame(rows)
+    frame["avg"] = frame[[f"{n}ppl" for n in people]].mean(axis=1)
+    return frame
+
+
+def _markdown(mean: pd.DataFrame, std: pd.DataFrame | None) -> str:
+    columns = list(mean.columns)
+    lines = [
+        "| " + " | ".join(["K&K accuracy (people)", *[c.removesuffix("ppl") for c in columns]]) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    for model, row in mean.iterrows():
+        cells = [f"{row[c]:.2f}" + (f" ± {std.loc[model, c]:.2f}" if std is not None else "") for c in columns]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(
+    config: DemoConfig, out: Path, run_dirs: dict, warm: dict, shift: Counterfactual, minutes: float
+) -> Path:
+    """Everything a reader needs from the demo, as files in ``out``: metrics.csv, accuracy_{sample,greedy}.{csv,md},
+    learning_curves.png, gradient_share.png, correct_ratio.png, counterfactual.csv, summary.json and report.md."""
+    long = runs.compare(list(run_dirs.values()))
+    long.to_csv(out / "metrics.csv", index=False)
+    tables, means = {}, {}
+    for mode in ("sample", "greedy"):
+        frame = accuracy_table(config, run_dirs, warm, mode)
+        frame.to_csv(out / f"accuracy_{mode}.csv", index=False)
+        grouped = frame.drop(columns="seed").groupby("model", sort=False)
+        means[mode] = grouped.mean()
+        std = grouped.std(ddof=0) if config.seeds > 1 else None
+        tables[mode] = _markdown(means[mode], std)
+        (out / f"accuracy_{mode}.md").write_text(tables[mode])
+    shift.bins.to_csv(out / "counterfactual.csv", index=False)
+    figures = {
+        "learning_curves.png": plots.learning_curves(
+            long, ["reward/mean", "acc/all", "len/response_mean", "policy/entropy"]
+        ),
+        "gradient_share.png": plots.gradient_share(long),
+        "correct_ratio.png": plots.fig2(shift=shift.bins),
+    }
+    for name, fig in figures.items():
+        fig.savefig(out / name, dpi=110)
+    verdict = compare_methods(means["sample"], config)
+    summary = {
+        "config": asdict(config),
+        "minutes": minutes,
+        "warm_start": warm,
+        "verdict": verdict,
+        "accuracy_sample": means["sample"].to_dict(orient="index"),
+        "accuracy_greedy": means["greedy"].to_dict(orient="index"),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
+    (out / "report.md").write_text(_report_text(config, tables, verdict, minutes))
+    return out
+
+
+def compare_methods(mean: pd.DataFrame, config: DemoConfig) -> list[str]:
+    """Plain sentences: each method's average sampled accuracy against GRPO's and the warm start's."""
+    lines = []
+    warm = mean.loc["Lab model (warm start)", "avg"]
+    grpo_row = "+ GRPO"
+    for model, row in mean.iterrows():
+        if model == "Lab model (warm start)":
+            continue
+        line = f"{model.removeprefix('+ ')}: avg {row['avg']:.3f} ({row['avg'] - warm:+.3f} over the warm start"
+        if model != grpo_row and grpo_row in mean.index:
+            line += f", {row['avg'] - mean.loc[grpo_row, 'avg']:+.3f} over GRPO"
+        lines.append(line + ")")
+    if config.seeds == 1:
+        lines.append("One seed only: differences of a few points are within sampling noise (run --seeds 3).")
+    return lines
+
+
+def _report_text(config: DemoConfig, tables: dict, verdict: list[str], minutes: float) -> str:
+    seeds = f"{config.seeds} seed{'s' if config.seeds > 1 else ''}"
+    return f"""# lopti_lab demo: GRPO, AR and Lopti on the lab model
+
+{len(config.methods)} methods x {seeds}, {config.steps} RL steps each ({config.prompts_per_step} puzzles x
+{config.group_size} samples, {", ".join(map(str, config.train_people))} people), full fine-tuning of the lab model,
+{minutes:.1f} minutes in all. Test accuracy is the share of completions scoring 3 on the bundled test split
+({config.eval_size} puzzles per people count){"; mean ± std over seeds" if config.seeds > 1 else ""}.
+
+## Sampled at temperature 1.0 ({config.eval_samples} per puzzle)
+
+{tables["sample"]}
+## Greedy
+
+{tables["greedy"]}
+## What it shows
+
+{chr(10).join("- " + line for line in verdict)}
+
+Whether AR or Lopti beats GRPO at this scale is an experimental result of this run, not a claim: read the spread.
+
+## Figures
+
+- `learning_curves.png`: reward, training accuracy, response length and entropy per step (mean over seeds).
+- `gradient_share.png`: each probability bin's share of the tokens and of the gradient (the paper's Fig. 1a/1d).
+- `correct_ratio.png`: one update of each method on the same frozen batch from the warm start: the share of
+  positive-advantage tokens whose probability went up, per probability bin (the paper's Fig. 2b).
+
+![learning curves](learning_curves.png)
+![gradient share](gradient_share.png)
+![correct ratio](correct_ratio.png)
+"""
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("demo", help="GRPO, +AR, +Lopti, +AR+Lopti on the lab model (CPU) and a report")
+    p.add_argument("--out", default="reports/demo", help="report folder (default reports/demo)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per method (spreads)")
+    p.add_argument("--quick", action="store_true", help="a two-minute smoke run")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_cli_demo)
+
+
+def _cli_demo(args) -> int:
+    overrides = {"steps": args.steps} if args.steps else {}
+    try:
+        config = DemoConfig(out=args.out, seeds=args.seeds, quick=args.quick, threads=args.threads, **overrides)
+    except ValueError as err:
+        raise SystemExit(f"lopti-lab demo: {err}") from None
+    report = run_demo(config)
+    print(f"report: {report / 'report.md'}")
+    return 0
+
+
+def attribution_tables(model, batch: FrozenBatch, bins: Sequence[float] = DEFAULT_BINS) -> pd.DataFrame:
+    """The gradient of the batch's GRPO loss (at ratio 1) split by probability bin, both ways (`probes` explains
+    them): "loss" follows each bin's token losses through the whole network, "position" splits every weight
+    gradient by the position the gradient passed through. One row per (attribution, bin)."""
+    from lopti_lab.probes import GradientProbe, bin_gradient_norms
+
+    rollout = batch.rollout
+    probs, mask = rollout.old_logp.exp(), rollout.response_mask  # (B, T)
+
+    def per_token_loss(before_forward=None):
+        logp, _ = response_logprobs(
+            model, rollout.input_ids, rollout.attention_mask, mask, batch.temperature, before_forward=before_forward
+        )
+        return -(batch.advantages[:, None] * logp) * mask / mask.sum()  # (B, T): the token-mean policy gradient
+
+    model.zero_grad(set_to_none=True)
+    loss_table = bin_gradient_norms(model, per_token_loss(), probs, mask, bins, attribution="loss")
+    with GradientProbe(model, bins=bins) as probe:
+        per_token_loss(lambda t: probe.set_tokens(probs[:, :t], mask[:, :t])).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return pd.concat([loss_table, probe.summary()], ignore_index=True)

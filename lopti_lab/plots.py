@@ -279,3 +279,171 @@ def toy_dynamics(result) -> Figure:
     ax_c.set_title("(c) tokens moved the way their advantage asks")
     ax_c.legend(fontsize="small")
     return fig
+
+
+METHOD_ORDER = ("GRPO", "GRPO+AR", "GRPO+Lopti", "GRPO+AR+Lopti")
+
+
+def _methods(long: pd.DataFrame) -> list[str]:
+    present = list(dict.fromkeys(long["method"]))
+    return [m for m in METHOD_ORDER if m in present] + [m for m in present if m not in METHOD_ORDER]
+
+
+def learning_curves(
+    long: pd.DataFrame, metrics: Sequence[str] = ("reward/mean", "acc/all"), *, smooth: int = 1
+) -> Figure:
+    """One panel per metric, one line per method: the mean over the method's runs (seeds), with the min-max band
+    across runs. ``long`` is `runs.compare`'s tidy table; ``smooth`` > 1 applies a centred rolling mean."""
+    _require(long, "long", ["run", "method", "step", "metric", "value"])
+    metrics = [m for m in metrics if m in set(long["metric"])]
+    if not metrics:
+        raise ValueError("none of the requested metrics is in the table")
+    fig = Figure(figsize=(4.6 * len(metrics), 3.8), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(metrics)))
+    for ax, metric in zip(axes, metrics, strict=True):
+        rows = long[long["metric"] == metric]
+        for i, method in enumerate(_methods(rows)):
+            wide = rows[rows["method"] == method].pivot_table(index="step", columns="run", values="value")
+            if smooth > 1:
+                wide = wide.rolling(smooth, center=True, min_periods=1).mean()
+            ax.plot(wide.index, wide.mean(axis=1), color=f"C{i}", label=method)
+            if wide.shape[1] > 1:
+                ax.fill_between(wide.index, wide.min(axis=1), wide.max(axis=1), color=f"C{i}", alpha=0.15)
+        ax.set_xlabel("RL step")
+        ax.set_title(metric)
+    axes[0].legend(fontsize="small")
+    return fig
+
+
+def gradient_share(long: pd.DataFrame) -> Figure:
+    """Per probability bin, the share of response tokens and the share of the gradient (``tokens/share_bin{i}``,
+    ``grad/share_bin{i}`` from the trainer's probes), averaged over every probed step of each method's runs: the
+    paper's Fig. 1a against 1d, during training."""
+    _require(long, "long", ["method", "metric", "value"])
+    binned = long[long["metric"].str.match(r"^(tokens|grad)/share_bin\d+$")].copy()
+    if binned.empty:
+        raise ValueError("no tokens/share_bin* or grad/share_bin* metrics: train with probe_every > 0")
+    binned["what"] = binned["metric"].str.split("/").str[0]
+    binned["bin"] = binned["metric"].str.extract(r"bin(\d+)$")[0].astype(int)
+    means = binned.groupby(["method", "what", "bin"])["value"].mean()
+    methods = _methods(binned)
+    bins = sorted(binned["bin"].unique())
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    ax_tok, ax_grad = fig.subplots(1, 2, sharey=True)
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        x = np.arange(len(bins)) + (i - (len(methods) - 1) / 2) * width
+        ax_tok.bar(x, [means.get((method, "tokens", b), np.nan) for b in bins], width, color=f"C{i}", label=method)
+        ax_grad.bar(x, [means.get((method, "grad", b), np.nan) for b in bins], width, color=f"C{i}", label=method)
+    edges = [f"bin {b}" for b in bins]
+    for ax, title in ((ax_tok, "(a) share of response tokens"), (ax_grad, "(b) share of the gradient")):
+        ax.set_xticks(range(len(bins)), edges)
+        ax.set_xlabel("probability bin (old policy), low to high")
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set_title(title)
+    ax_tok.legend(fontsize="small")
+    return fig
+
+
+def live_training(history: Sequence[dict]) -> Figure:
+    """A running training's dashboard from its metrics so far: (a) reward, (b) accuracy by people count in the
+    training batches, (c) the latest probed step's token and gradient shares per probability bin."""
+    frame = pd.DataFrame(list(history))
+    fig = Figure(figsize=(15, 3.6), layout="constrained")
+    ax_r, ax_a, ax_g = fig.subplots(1, 3)
+    if frame.empty:
+        return fig
+    ax_r.plot(frame["step"], frame["reward/mean"], marker=".", color="C0")
+    ax_r.set_ylim(-3.2, 3.2)
+    ax_r.set_xlabel("RL step")
+    ax_r.set_title("(a) mean reward (3 = solved)")
+    for column in sorted(
+        (c for c in frame.columns if c.startswith("acc/") and c.endswith("ppl")), key=lambda c: int(c[4:-3])
+    ):
+        ax_a.plot(frame["step"], frame[column], marker=".", label=column[4:])
+    ax_a.set_ylim(-0.02, 1.02)
+    ax_a.set_xlabel("RL step")
+    ax_a.set_title("(b) training accuracy by people count")
+    if ax_a.get_lines():
+        ax_a.legend(fontsize="small")
+    shares = [c for c in frame.columns if c.startswith("grad/share_bin")]
+    probed = frame.dropna(subset=shares) if shares else frame.iloc[0:0]
+    if not probed.empty:
+        last = probed.iloc[-1]
+        k = np.arange(len(shares))
+        ax_g.bar(k - 0.2, [last[f"tokens/share_bin{i}"] for i in k], 0.4, label="tokens")
+        ax_g.bar(k + 0.2, [last[f"grad/share_bin{i}"] for i in k], 0.4, label="gradient")
+        ax_g.set_xticks(k, [f"bin {i}" for i in k])
+        ax_g.legend(fontsize="small")
+        ax_g.set_title(f"(c) shares by probability bin, step {int(last['step'])}")
+    else:
+        ax_g.set_title("(c) shares by probability bin (probes off)")
+    return fig
+
+
+def correct_ratio(long: pd.DataFrame, sign: str = "pos") -> Figure:
+    """From the trainer's ``shift/*`` metrics (every probed step): (a) the correct ratio per probability bin, pooled
+    over the probed steps of each method's runs (the paper's Fig. 2b during training); (b) the top bin's correct
+    ratio over the steps. ``sign``: "pos" (A > 0 tokens that went up) or "neg" (A < 0 tokens that went down)."""
+    _require(long, "long", ["method", "step", "metric", "value"])
+    pattern = rf"^shift/(correct|n)_{sign}_bin(\d+)$"
+    cells = long[long["metric"].str.match(pattern)].copy()
+    if cells.empty:
+        raise ValueError("no shift/* metrics: train with probe_every > 0")
+    parts = cells["metric"].str.extract(pattern)
+    cells["what"], cells["bin"] = parts[0], parts[1].astype(int)
+    wide = cells.pivot_table(index=["method", "run", "step", "bin"], columns="what", values="value").reset_index()
+    wide["n_correct"] = wide["correct"].fillna(0) * wide["n"]
+    fig = Figure(figsize=(12, 4), layout="constrained")
+    ax_bins, ax_steps = fig.subplots(1, 2)
+    top = wide["bin"].max()
+    for i, method in enumerate(_methods(wide)):
+        rows = wide[wide["method"] == method]
+        pooled = rows.groupby("bin")[["n_correct", "n"]].sum()
+        ax_bins.plot(
+            pooled.index,
+            pooled["n_correct"] / pooled["n"].where(pooled["n"] > 0),
+            marker="o",
+            color=f"C{i}",
+            label=method,
+        )
+        over = rows[rows["bin"] == top].groupby("step")[["n_correct", "n"]].sum()
+        ax_steps.plot(
+            over.index, over["n_correct"] / over["n"].where(over["n"] > 0), marker=".", color=f"C{i}", label=method
+        )
+    bins = sorted(wide["bin"].unique())
+    ax_bins.set_xticks(bins, [f"bin {b}" for b in bins])
+    ax_bins.set_xlabel("probability bin (old policy), low to high")
+    ax_bins.set_ylabel(f"correct ratio ({SIGN_NAMES[sign]})")
+    ax_bins.set_title("(a) pooled over the probed steps")
+    ax_steps.set_xlabel("RL step")
+    ax_steps.set_title(f"(b) the top bin (bin {top}) over training")
+    for ax in (ax_bins, ax_steps):
+        ax.axhline(0.5, color="0.5", lw=0.8, ls="--")
+    ax_bins.legend(fontsize="small")
+    return fig
+
+
+def token_html(pieces: Sequence[str], probs: Sequence[float], cmap: str = "RdYlGn") -> str:
+    """Response tokens as HTML spans coloured by their probability (red = rare, green = confident), with the
+    probability in each token's tooltip. Show it with ``IPython.display.HTML``."""
+    import html
+
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    colours = colormaps[cmap]
+    spans = []
+    for piece, p in zip(pieces, probs, strict=True):
+        text = html.escape(piece).replace("\n", "&#8629;<br>")
+        spans.append(
+            f'<span title="p = {p:.3f}" style="background:{to_hex(colours(float(p)))};'
+            f'padding:1px 0;border-radius:2px">{text}</span>'
+        )
+    legend = "".join(
+        f'<span style="background:{to_hex(colours(p))};padding:0 6px">{p:.1f}</span>' for p in (0, 0.25, 0.5, 0.75, 1)
+    )
+    return (
+        f'<div style="font-family:monospace;line-height:1.9">{"".join(spans)}</div>'
+        f'<div style="font-size:smaller;margin-top:4px">probability: {legend}</div>'
+    )

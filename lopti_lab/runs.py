@@ -39,6 +39,9 @@ Metric keys (plain floats; plots and widgets read these names, whatever produced
     grad/share_bin{i}             <g_i, g> / ||g||^2, bin i's share of the gradient (with the context row, sums to 1)
     grad/norm_context, grad/share_context   the same for prompt and padding positions
     grad/norm_probed              norm of the probed (LoRA / Linear and Embedding) gradient
+    shift/correct_pos_bin{i}      after the step's update, share of bin i's A > 0 tokens whose probability rose
+    shift/correct_neg_bin{i}      ... and of its A < 0 tokens whose probability fell (the paper's Fig. 2b)
+    shift/n_pos_bin{i}, shift/n_neg_bin{i}, shift/dp_mean_bin{i}   their token counts and bin i's mean delta p
     time/generate, time/logprob, time/score, time/update, time/eval, time/step     seconds (logprob: the rollout's
                                   old_logp / entropy / reference forward; step: all of it, evaluation included)
     eval/{greedy,sample}/acc_{n}ppl   test accuracy per people count (every eval_every steps and at the end)

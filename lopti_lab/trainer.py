@@ -41,7 +41,7 @@ from lopti_lab import runs
 from lopti_lab.kk import PROMPT_STYLES, Puzzle, build_prompt, load_split, score_response
 from lopti_lab.models import DEFAULT_LORA_TARGETS, LoraSpec, Reference, check_model_name, load_policy
 from lopti_lab.objective import group_advantages, lopti_stages, masked_mean, policy_loss, reweight_advantages
-from lopti_lab.probes import GradientProbe
+from lopti_lab.probes import GradientProbe, probability_shift
 from lopti_lab.rollout import Rollout, add_logprobs, response_logprobs, sample
 
 __all__ = [
@@ -153,7 +153,9 @@ class TrainConfig:
     eval_size: int = 100
     """test puzzles per people count (the test split has 100)"""
     eval_modes: tuple[str, ...] = ("greedy", "sample")
-    """"greedy" decoding and/or one "sample" at eval_temperature per puzzle (the paper reports both)"""
+    """"greedy" decoding and/or "sample" (eval_samples completions per puzzle at eval_temperature; the paper: both)"""
+    eval_samples: int = 1
+    """completions per puzzle in the "sample" mode: accuracy is their mean (more samples, less noise)"""
     eval_temperature: float = 1.0
     """temperature of the "sample" evaluation (the paper: 1.0)"""
     eval_max_new_tokens: int | None = None
@@ -279,6 +281,7 @@ def _validate(c: TrainConfig) -> None:
     need(isinstance(c.eval_every, int) and c.eval_every >= 0, "eval_every", "must be an int >= 0")
     need(positive_int(c.eval_size), "eval_size", "must be an int >= 1")
     need(set(c.eval_modes) <= {"greedy", "sample"}, "eval_modes", "must hold 'greedy' and/or 'sample'")
+    need(positive_int(c.eval_samples), "eval_samples", "must be an int >= 1")
     need(c.eval_temperature > 0, "eval_temperature", "must be > 0")
     optional("eval_max_new_tokens", positive_int, "must be an int >= 1")
     need(isinstance(c.probe_every, int) and c.probe_every >= 0, "probe_every", "must be an int >= 0")
@@ -484,6 +487,7 @@ def train_step(
     t4 = time.perf_counter()
     if gradient_probe is not None and metrics["update/optimizer_steps"] > 0:
         metrics.update(gradient_probe.metrics())
+        metrics.update(shift_metrics(model, rollout, advantages, cfg))
     if rollout.entropy is not None:
         metrics["policy/entropy"] = masked_mean(rollout.entropy, mask).item()
 
@@ -511,6 +515,27 @@ def train_step(
     return metrics
 
 
+def shift_metrics(model: torch.nn.Module, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig) -> dict:
+    """How the step's update moved each response token's probability, per probability bin (the paper's Fig. 2b,
+    measured as its code does: log-probs recomputed on the same batch after the update). One extra no-grad forward.
+
+    Keys: ``shift/correct_{pos,neg}_bin{i}`` (share of A > 0 tokens whose probability went up, of A < 0 tokens whose
+    probability went down), ``shift/n_{pos,neg}_bin{i}`` (their counts) and ``shift/dp_mean_bin{i}``.
+    """
+    with torch.inference_mode():
+        new_logp, _ = response_logprobs(
+            model, rollout.input_ids, rollout.attention_mask, rollout.response_mask, cfg.temperature
+        )
+    shift = probability_shift(rollout.old_logp, new_logp, advantages, rollout.response_mask, cfg.probe_bins)
+    out = {}
+    for row in shift.bins.itertuples():
+        out[f"shift/n_{row.sign}_bin{row.bin}"] = float(row.n_tokens)
+        out[f"shift/correct_{row.sign}_bin{row.bin}"] = float(row.correct_ratio) if row.n_tokens else math.nan
+    means = shift.tokens.groupby("bin")["delta_p"].mean()
+    out.update({f"shift/dp_mean_bin{k}": float(v) for k, v in means.items()})
+    return out
+
+
 # --- evaluation -------------------------------------------------------------------------------------------------------
 
 
@@ -522,12 +547,14 @@ def evaluate(
     prompt_style: str = "instruct",
     max_new_tokens: int = 4096,
     modes: Sequence[str] = ("greedy", "sample"),
+    samples: int = 1,
     temperature: float = 1.0,
     batch_size: int | None = None,
     seed: int = 0,
     prefix: str = "eval",
 ) -> dict[str, float]:
-    """Test accuracy (share of puzzles with reward 3) by people count, greedy and/or one sample per puzzle.
+    """Test accuracy (share of completions with reward 3) by people count, greedy and/or ``samples`` sampled
+    completions per puzzle at ``temperature``.
 
     Keys: ``{prefix}/{mode}/acc_{n}ppl``, ``{prefix}/{mode}/acc_all`` (the mean over people counts, the paper's
     "avg"), ``{prefix}/{mode}/format_error_rate`` and ``{prefix}/{mode}/len_mean``. Sampling runs under a forked
@@ -541,13 +568,14 @@ def evaluate(
     people = np.array([p.n_people for p in puzzles])
     out: dict[str, float] = {}
     for mode in modes:
+        group = 1 if mode == "greedy" else samples
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             rollout = sample(
                 model,
                 tokenizer,
                 prompts,
-                1,
+                group,
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 greedy=mode == "greedy",
@@ -555,8 +583,9 @@ def evaluate(
                 with_logprobs=False,
             )
         rewards = score_rollout(rollout, puzzles)
-        correct = np.array([r.total == 3.0 for r in rewards], dtype=float)
-        per_people = {int(n): float(correct[people == n].mean()) for n in sorted(set(people.tolist()))}
+        correct = np.array([r.total == 3.0 for r in rewards], dtype=float)  # (puzzles x group,)
+        row_people = np.repeat(people, group)
+        per_people = {int(n): float(correct[row_people == n].mean()) for n in sorted(set(people.tolist()))}
         out.update({f"{prefix}/{mode}/acc_{n}ppl": acc for n, acc in per_people.items()})
         out[f"{prefix}/{mode}/acc_all"] = float(np.mean(list(per_people.values())))
         out[f"{prefix}/{mode}/format_error_rate"] = float(np.mean([r.format_score < 0 for r in rewards]))
@@ -666,6 +695,7 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
                     prompt_style=cfg.prompt_style,
                     max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                     modes=cfg.eval_modes,
+                    samples=cfg.eval_samples,
                     temperature=cfg.eval_temperature,
                     batch_size=cfg.generate_batch_size,
                     seed=cfg.seed,

@@ -18,8 +18,10 @@ from __future__ import annotations
 import base64
 import io
 import sys
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import ipywidgets as W
 import pandas as pd
@@ -72,6 +74,38 @@ def setup(quick: bool = False, model: str | None = None, device: str | None = No
         prompt_style="chat_quiz" if lab else "instruct",
         quick=quick,
     )
+
+
+def training_defaults(env: Environment, steps: int | None = None):
+    """A TrainConfig that fits the environment: the demo's CPU settings for the lab model (QUICK: 2 steps and a tiny
+    evaluation), a one-GPU LoRA setup for Qwen2.5 (the paper's RL settings with shorter responses and fewer prompts
+    per step). ``steps`` overrides the number of RL steps."""
+    from lopti_lab.experiments import DemoConfig
+    from lopti_lab.trainer import TrainConfig
+
+    if env.model == "lab":
+        demo = DemoConfig(quick=env.quick)
+        config = replace(demo.train_config("GRPO", 0, Path("runs") / "unnamed"), eval_every=0 if env.quick else 12)
+    else:
+        config = TrainConfig(
+            model=env.model,
+            lora_r=env.lora_r,
+            prompt_style=env.prompt_style,
+            device=env.device,
+            gradient_checkpointing=True,
+            prompts_per_step=16,
+            group_size=8,
+            minibatch_size=64,
+            generate_batch_size=64,
+            max_new_tokens=1024,
+            lr=2e-5,
+            steps=100,
+            eval_every=25,
+            eval_size=50,
+            probe_every=10,
+            save_every=25,
+        )
+    return replace(config, steps=steps or config.steps)
 
 
 def _show(output: W.Output, *objects) -> None:
@@ -199,3 +233,245 @@ class ToyPanel(_Panel):
         self.result = simulate(self.config(), methods)
         _show(self.output, plots.toy_dynamics(self.result))
         return self.result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# training
+
+
+def _in_kernel() -> bool:
+    """True inside a live Jupyter kernel (a button press must not block it, or Stop could never be clicked)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class TrainPanel(_Panel):
+    """GRPO on K&K with AR and Lopti switches: Run trains in the background (a run folder under ``run_root``), the
+    plots refresh after every step, Stop ends the run cleanly after the current step (its records and a checkpoint
+    are kept, so it can resume).
+
+    ``base`` holds every setting the panel does not show (lengths, clip range, evaluation, ...).
+    """
+
+    def __init__(self, base=None, env: Environment | None = None, run_root: str | Path = "runs"):
+        env = env or setup()
+        base = base or training_defaults(env)
+        self.base, self.run_root = base, Path(run_root)
+        self.model = W.Text(value=base.model, description="model")
+        self.ar = W.Checkbox(value=base.ar_alpha is not None, description="Advantage Reweighting", indent=False)
+        self.alpha = W.FloatSlider(value=base.ar_alpha or 0.3, min=0.0, max=1.0, step=0.05, description="alpha")
+        self.lopti = W.Checkbox(value=base.lopti_eta is not None, description="Lopti", indent=False)
+        self.eta = W.FloatSlider(value=base.lopti_eta or 0.5, min=0.05, max=0.95, step=0.05, description="eta")
+        self.order = W.Dropdown(options=["low_first", "high_first"], value=base.lopti_order, description="order")
+        self.steps = W.IntText(value=base.steps, description="steps")
+        self.lr = W.FloatLogSlider(
+            value=base.lr, base=10, min=-7, max=-2, step=0.1, description="lr", readout_format=".1e"
+        )
+        self.group_size = W.IntSlider(value=base.group_size, min=2, max=16, description="group size")
+        self.prompts = W.IntSlider(value=base.prompts_per_step, min=1, max=64, description="prompts/step")
+        self.name = W.Text(value="", placeholder="run name (default: method-time)", description="run")
+        self.run_button = W.Button(description="Run", button_style="primary", icon="play")
+        self.stop_button = W.Button(description="Stop", button_style="warning", icon="stop", disabled=True)
+        self.progress = W.IntProgress(value=0, min=0, max=base.steps, description="steps")
+        self.status = W.HTML()
+        self.output = W.Output()
+        self.run_button.on_click(lambda _: self.run())
+        self.stop_button.on_click(lambda _: self.stop())
+        for box, slider in ((self.ar, self.alpha), (self.lopti, self.eta), (self.lopti, self.order)):
+            box.observe(lambda change, s=slider: setattr(s, "disabled", not change["new"]), names="value")
+            slider.disabled = not box.value
+        self.history: list[dict] = []
+        self.result = None
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.widget = W.VBox(
+            [
+                W.HBox([self.model, self.name]),
+                W.HBox([self.ar, self.alpha]),
+                W.HBox([self.lopti, self.eta, self.order]),
+                W.HBox([self.steps, self.lr]),
+                W.HBox([self.prompts, self.group_size]),
+                W.HBox([self.run_button, self.stop_button, self.progress, self.status]),
+                self.output,
+            ]
+        )
+
+    def config(self):
+        """The TrainConfig the controls describe (validated: a bad value raises ValueError naming the field)."""
+        import time as _time
+
+        from lopti_lab.runs import method_label
+
+        values = {
+            "model": self.model.value.strip(),
+            "ar_alpha": self.alpha.value if self.ar.value else None,
+            "lopti_eta": self.eta.value if self.lopti.value else None,
+            "lopti_order": self.order.value,
+            "steps": self.steps.value,
+            "lr": self.lr.value,
+            "group_size": self.group_size.value,
+            "prompts_per_step": self.prompts.value,
+        }
+        batch = values["group_size"] * values["prompts_per_step"]
+        if self.base.minibatch_size > batch or batch % self.base.minibatch_size:
+            values["minibatch_size"] = batch  # the panel's batch changed: one minibatch per stage
+        name = self.name.value.strip() or f"{method_label(values).lower()}-{_time.strftime('%Y%m%d-%H%M%S')}"
+        return replace(self.base, run_dir=str(self.run_root / name), progress=False, **values)
+
+    def _on_step(self, metrics: dict) -> bool:
+        self.history.append(metrics)
+        self.progress.value = int(metrics["step"])
+        self.status.value = (
+            f"step {int(metrics['step'])}: reward {metrics['reward/mean']:.2f}, accuracy {metrics['acc/all']:.2f}"
+        )
+        _show(self.output, plots.live_training(self.history))
+        return self._stop.is_set()
+
+    def run(self, block: bool | None = None):
+        """Start training. In a live kernel it runs in a background thread (so Stop stays clickable) unless
+        ``block=True``; elsewhere it blocks and returns the TrainResult."""
+        from lopti_lab.trainer import train
+
+        if self._thread is not None and self._thread.is_alive():
+            self.status.value = "already running"
+            return None
+        try:
+            config = self.config()
+        except ValueError as err:
+            self.status.value = f"<b>bad setting</b>: {err}"
+            return None
+        self.history, self.result, self.error = [], None, None
+        self._stop.clear()
+        self.progress.max, self.progress.value = config.steps, 0
+        self.status.value = f"training {config.method} into {config.run_dir} ..."
+        self.run_button.disabled, self.stop_button.disabled = True, False
+
+        def work():
+            try:
+                self.result = train(config, callbacks=[self._on_step])
+                last = self.result.history[-1]["step"] if self.result.history else 0
+                self.status.value = (
+                    f"{'stopped' if self.result.stopped else 'done'} after step {last}: {config.run_dir}"
+                )
+            except Exception as err:  # shown in the panel and kept; the thread must not die silently
+                self.error = err
+                self.status.value = f"<b>error</b>: {type(err).__name__}: {err}"
+                if not threaded:
+                    raise
+            finally:
+                self.run_button.disabled, self.stop_button.disabled = False, True
+
+        threaded = _in_kernel() if block is None else not block
+        if threaded:
+            self._thread = threading.Thread(target=work, daemon=True)
+            self._thread.start()
+            return self._thread
+        work()
+        return self.result
+
+    def stop(self) -> None:
+        """Ask the run to end after its current step."""
+        self._stop.set()
+        self.status.value = "stopping after this step ..."
+
+    def wait(self, timeout: float | None = None):
+        """Block until a background run ends; its TrainResult."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# comparing runs
+
+
+def find_runs(root: str | Path = "runs") -> list[Path]:
+    """Run folders (holding config.json and metrics.jsonl) at most two levels below ``root``."""
+    root = Path(root)
+    found = [
+        p.parent
+        for pattern in ("*/config.json", "*/*/config.json", "*/*/*/config.json")
+        for p in root.glob(pattern)
+        if (p.parent / "metrics.jsonl").is_file()
+    ]
+    return sorted(set(found))
+
+
+class ComparePanel(_Panel):
+    """Pick run folders and compare them: learning curves, final test accuracy by people count, gradient shares."""
+
+    def __init__(self, root: str | Path = "runs", metrics: Sequence[str] = ("reward/mean", "acc/all")):
+        self.root = Path(root)
+        self.runs = W.SelectMultiple(description="runs", rows=8, layout=W.Layout(width="60%"))
+        self.metrics = W.SelectMultiple(options=list(metrics), value=list(metrics), description="metrics", rows=8)
+        self.smooth = W.IntSlider(value=1, min=1, max=20, description="smoothing")
+        self.refresh_button = W.Button(description="Rescan", icon="refresh")
+        self.show_button = W.Button(description="Compare", button_style="primary", icon="chart-line")
+        self.output = W.Output()
+        self.refresh_button.on_click(lambda _: self.refresh())
+        self.show_button.on_click(lambda _: self.show())
+        self.long: pd.DataFrame | None = None
+        self.widget = W.VBox(
+            [
+                W.HBox([self.runs, self.metrics]),
+                W.HBox([self.smooth, self.refresh_button, self.show_button]),
+                self.output,
+            ]
+        )
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rescan the root folder for runs (all selected by default)."""
+        found = [str(p) for p in find_runs(self.root)]
+        self.runs.options = found
+        self.runs.value = tuple(found)
+        if self.long is None:
+            known = set(self.metrics.options)
+            for path in found[:20]:
+                known |= {k for k in _metric_keys(path)}
+            self.metrics.options = sorted(known)
+            self.metrics.value = [m for m in ("reward/mean", "acc/all") if m in known]
+
+    def show(self):
+        """Draw the comparison of the selected runs; returns the tidy table it drew from."""
+        from lopti_lab import runs
+
+        chosen = list(self.runs.value)
+        if not chosen:
+            _show(self.output, "No run selected (train one with the TrainPanel or `lopti-lab train`).")
+            return None
+        self.long = runs.compare(chosen)
+        shown = [
+            plots.learning_curves(self.long, list(self.metrics.value) or ["reward/mean"], smooth=self.smooth.value)
+        ]
+        table = final_accuracy(self.long)
+        if not table.empty:
+            shown.append(table)
+        if self.long["metric"].str.startswith("grad/share_bin").any():
+            shown.append(plots.gradient_share(self.long))
+        _show(self.output, *shown)
+        return self.long
+
+
+def _metric_keys(run_dir: str | Path) -> set[str]:
+    from lopti_lab import runs
+
+    records = runs.load_metrics(run_dir)
+    return {k for r in records[:3] for k, v in r.items() if isinstance(v, int | float) and k != "step"}
+
+
+def final_accuracy(long: pd.DataFrame, mode: str = "sample") -> pd.DataFrame:
+    """The last evaluation of each run, per people count and averaged: the paper's table layout, one row per run."""
+    evals = long[long["metric"].str.match(rf"^eval/{mode}/acc_(\d+ppl|all)$")]
+    if evals.empty:
+        return pd.DataFrame()
+    last = evals.sort_values("step").groupby(["run", "method", "metric"]).tail(1)
+    table = last.pivot_table(index=["run", "method"], columns="metric", values="value")
+    table.columns = [c.split("acc_")[-1].replace("all", "avg") for c in table.columns]
+    ordered = sorted((c for c in table.columns if c != "avg"), key=lambda c: int(c.removesuffix("ppl")))
+    return table[[*ordered, "avg"]].round(3)

@@ -16,6 +16,29 @@ def shared_kk() -> Path:
     return SHARED_KK
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and CI runs two test workers on two cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny random Qwen2 policy and its tokenizer saved as a local model folder (what load_policy reads)."""
+    from tiny import tiny_qwen2, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    path = tmp_path_factory.mktemp("tiny_policy")
+    tiny_qwen2(len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from tiny import tiny_tokenizer

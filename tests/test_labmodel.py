@@ -103,11 +103,22 @@ def test_pretrain_smoke_saves_a_loadable_model(tmp_path):
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
     )
     cfg = PretrainConfig(
-        people=(2,), people_weights=(1.0,), steps=3, batch_size=4, eval_every=2, eval_size=2, spec=spec, warmup_steps=1
+        people=(2, 3),
+        people_weights=(1.0, 1.0),
+        curriculum_steps=1,
+        steps=3,
+        batch_size=4,
+        eval_every=2,
+        eval_size=2,
+        spec=spec,
+        warmup_steps=1,
+        final_people=(2, 3),
+        final_size=3,
+        final_samples=2,
     )
     summary = pretrain(cfg, tmp_path / "lab", progress=False)
     assert summary["steps_done"] == 3 and len(summary["log"]) == 3
-    assert "test/greedy/acc_2ppl" in summary["log"][1] and "test/sample/acc_2ppl" in summary["final_eval"]
+    assert "test/greedy/acc_2ppl" in summary["log"][1] and "test/sample/acc_3ppl" in summary["final_eval"]
     model, _ = load_lab_model(tmp_path / "lab")
     assert model.config.hidden_size == 32
     saved = json.loads((tmp_path / "lab" / "lab_model.json").read_text())

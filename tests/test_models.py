@@ -18,24 +18,6 @@ from lopti_lab.models import (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and the CI machine's cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    tok = tiny_tokenizer()
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    tiny_qwen2(len(tok)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 def test_check_model_name(tmp_path):
     assert check_model_name("lab") == "lab"
     assert check_model_name(str(tmp_path)) == "local"

@@ -127,3 +127,99 @@ def test_fig2_bad_input():
         fig2(pd.DataFrame({"prob": [0.5], "grad_norm": [0.6]}))
     with pytest.raises(ValueError, match="sign"):
         fig2(shift=pd.DataFrame(), sign="both")
+
+
+# --- the dashboards built on the trainer's metrics ----------------------------------------------------------------
+
+
+def _long_table() -> pd.DataFrame:
+    """A runs.compare-shaped table: two methods x two seeds, three steps, probe and shift metrics on steps 2-3."""
+    rows = []
+    for method in ("GRPO+AR", "GRPO"):
+        for seed in (0, 1):
+            run = f"{method}-{seed}"
+            for step in (1, 2, 3):
+                reward = step + seed + (method == "GRPO+AR")
+                rows += [(run, method, step, "reward/mean", float(reward)), (run, method, step, "acc/all", 0.1 * step)]
+                if step > 1:
+                    for k in range(4):
+                        rows += [
+                            (run, method, step, f"tokens/share_bin{k}", [0.2, 0.1, 0.1, 0.6][k]),
+                            (run, method, step, f"grad/share_bin{k}", [0.7, 0.2, 0.05, 0.05][k] * (1 + seed)),
+                            (run, method, step, f"shift/n_pos_bin{k}", 10.0),
+                            (run, method, step, f"shift/correct_pos_bin{k}", 0.5 + 0.1 * (method == "GRPO+AR")),
+                        ]
+    return pd.DataFrame(rows, columns=["run", "method", "step", "metric", "value"])
+
+
+def test_learning_curves_plot_the_seed_mean_with_a_band():
+    from lopti_lab.plots import learning_curves
+
+    fig = learning_curves(_long_table(), ["reward/mean", "acc/all", "not/there"])
+    rendered(fig)
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.lines] == ["GRPO", "GRPO+AR"], "the paper's method order"
+    np.testing.assert_allclose(ax.lines[0].get_ydata(), [1.5, 2.5, 3.5])  # GRPO: mean of seeds 0 and 1
+    assert len([c for c in ax.collections if isinstance(c, PolyCollection)]) == 2  # a min-max band per method
+    with pytest.raises(ValueError, match="none of the requested metrics"):
+        learning_curves(_long_table(), ["x"])
+
+
+def test_gradient_share_bars_average_the_probed_steps():
+    from lopti_lab.plots import gradient_share
+
+    fig = gradient_share(_long_table())
+    rendered(fig)
+    grad_bars = [p.get_height() for p in fig.axes[1].patches]
+    np.testing.assert_allclose(grad_bars[:4], [1.05, 0.3, 0.075, 0.075])  # GRPO first; mean over seeds x1 and x2
+    with pytest.raises(ValueError, match="probe_every"):
+        gradient_share(_long_table().query("not metric.str.contains('share')"))
+
+
+def test_correct_ratio_pools_bins_and_follows_the_top_bin():
+    from lopti_lab.plots import correct_ratio
+
+    fig = correct_ratio(_long_table())
+    rendered(fig)
+    by_bin, over_steps = fig.axes
+    np.testing.assert_allclose(by_bin.lines[1].get_ydata(), [0.6] * 4)  # GRPO+AR, pooled
+    np.testing.assert_allclose(over_steps.lines[0].get_xdata(), [2, 3])
+    with pytest.raises(ValueError, match="shift"):
+        correct_ratio(_long_table().query("not metric.str.startswith('shift')"))
+
+
+def test_live_training_draws_what_has_been_logged():
+    from lopti_lab.plots import live_training
+
+    history = [
+        {"step": 1, "reward/mean": -1.0, "acc/all": 0.0, "acc/3ppl": 0.0, "acc/4ppl": 0.0},
+        {
+            "step": 2,
+            "reward/mean": 0.5,
+            "acc/all": 0.5,
+            "acc/3ppl": 1.0,
+            "acc/4ppl": 0.0,
+            **{f"grad/share_bin{k}": 0.25 for k in range(4)},
+            **{f"tokens/share_bin{k}": 0.25 for k in range(4)},
+        },
+    ]
+    fig = live_training(history)
+    rendered(fig)
+    assert [line.get_label() for line in fig.axes[1].lines] == ["3ppl", "4ppl"]
+    assert len(fig.axes[2].patches) == 8 and "step 2" in fig.axes[2].get_title()
+    assert len(live_training([]).axes[0].lines) == 0
+
+
+def test_theory_figures_and_token_colours():
+    from lopti_lab.kk import dataset_stats, load_split
+    from lopti_lab.plots import kk_dataset, softmax_gradients, token_html, toy_dynamics
+    from lopti_lab.widgets import softmax_table
+
+    table = softmax_table([2.0, 0.0, -1.0])
+    fig = softmax_gradients(table, 1.0)
+    rendered(fig)
+    np.testing.assert_allclose(fig.axes[1].collections[-1].get_offsets()[:, 1], table["grad_norm"])
+    rendered(toy_dynamics(simulate(TOY)))
+    rendered(kk_dataset(dataset_stats(load_split("test", [2, 5], limit=5))))
+    html = token_html(["<think>", " a\nb"], [0.05, 0.95])
+    assert html.count("<span title=") == 2 and "&lt;think&gt;" in html and "p = 0.050" in html

@@ -8,15 +8,6 @@ from lopti_lab.rollout import Rollout, add_logprobs, response_logprobs, sample
 PROMPTS = ["<|im_start|>user\nZoey said that Oliver is a knight.<|im_end|>\n<|im_start|>assistant\n<think>", "Hi"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and the CI machine's cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture()
 def eos_biased(tiny_model, tokenizer):
     """The tiny model with +4 on the EOS logit, so responses end at varied lengths (EOS prob ~ 0.15 per token)."""

@@ -7,12 +7,11 @@ The tiny random model never solves a puzzle, so the runs score completions with 
 
 import json
 import math
-import zlib
 from dataclasses import replace
 
 import pytest
 import torch
-from tiny import tiny_qwen2, tiny_tokenizer
+from tiny import fake_score, tiny_qwen2, tiny_tokenizer
 
 import lopti_lab.trainer as trainer
 from lopti_lab import runs
@@ -31,29 +30,6 @@ REQUIRED = [
     "policy/entropy", "policy/approx_kl", "policy/clip_frac_low", "policy/clip_frac_high", "policy/kl", "loss/policy",
     "grad/norm", "update/optimizer_steps", "skipped/nonfinite", "time/generate", "time/score", "time/update",
 ]  # fmt: skip
-
-
-def fake_score(text, puzzle):
-    total = 3.0 if zlib.crc32(text.encode()) % 3 == 0 else -0.5
-    return Reward(total, 1.0, total - 1.0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and the CI machine's cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    tok = tiny_tokenizer()
-    path = tmp_path_factory.mktemp("tiny_policy")
-    tiny_qwen2(len(tok)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.fixture()
@@ -320,6 +296,8 @@ def test_gradient_probe_metrics_every_k_steps(config):
     assert sum(shares) == pytest.approx(1.0, abs=1e-4)
     assert sum(probed[f"tokens/share_bin{i}"] for i in range(4)) == pytest.approx(1.0)
     assert probed["grad/norm_probed"] == pytest.approx(probed["grad/norm"], rel=1e-4)
+    assert {"shift/correct_pos_bin0", "shift/n_neg_bin0", "shift/dp_mean_bin0"} <= set(probed)
+    assert "shift/n_pos_bin0" not in history[0]
 
 
 def test_gradient_probe_with_lopti_and_full_finetune(config):
@@ -359,3 +337,41 @@ def test_single_step_grpo_reuses_its_update_forward_as_pi_old(config, tmp_path, 
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
     for a, b in zip(trainable_state_dict(fast.model).values(), trainable_state_dict(slow.model).values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_shift_metrics_match_a_per_token_count(config):
+    """After an update, shift/correct_pos_bin{i} is the share of bin i's A > 0 tokens whose probability rose,
+    counted here token by token from a plain full forward of the updated model."""
+    from lopti_lab.rollout import sample
+
+    model, tok = load_policy(config.model, LoraSpec(r=4, alpha=8))
+    puzzles = load_split("train", 3, limit=2)
+    torch.manual_seed(0)
+    rollout = sample(model, tok, [trainer.build_prompt(p, "base") for p in puzzles], 4, max_new_tokens=6)
+    advantages = torch.tensor([1.0, -1.0, 0.5, 0.0, -0.5, 2.0, -2.0, 0.0])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # some update
+    metrics = trainer.shift_metrics(model, rollout, advantages, replace(config, temperature=1.0))
+    ids, attn = rollout.input_ids, rollout.attention_mask
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits.double()
+    T = rollout.response_ids.shape[1]
+    counts = {}
+    for b in range(len(rollout)):
+        for t in range(T):
+            if not rollout.response_mask[b, t] or advantages[b] == 0:
+                continue
+            new_p = logits[b, ids.shape[1] - T - 1 + t].softmax(-1)[rollout.response_ids[b, t]].item()
+            old_p = rollout.old_logp[b, t].exp().item()
+            k = min(int(old_p / 0.25), 3)
+            sign = "pos" if advantages[b] > 0 else "neg"
+            right = new_p > old_p if sign == "pos" else new_p < old_p
+            n, c = counts.get((sign, k), (0, 0))
+            counts[(sign, k)] = (n + 1, c + right)
+    assert counts
+    for (sign, k), (n, c) in counts.items():
+        assert metrics[f"shift/n_{sign}_bin{k}"] == n
+        assert metrics[f"shift/correct_{sign}_bin{k}"] == pytest.approx(c / n)

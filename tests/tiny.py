@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from lopti_lab.kk import Reward
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -45,6 +49,13 @@ def tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     )
     fast.add_tokens(TAGS)
     return fast
+
+
+def fake_score(text: str, puzzle) -> Reward:
+    """A stand-in for the K&K reward in trainer tests: a tiny random model never solves a puzzle, so a hash of the
+    text gives each group a spread of rewards (3 or -0.5) and therefore non-zero advantages."""
+    total = 3.0 if zlib.crc32(text.encode()) % 3 == 0 else -0.5
+    return Reward(total, 1.0, total - 1.0)
 
 
 def tiny_qwen2(vocab_size: int, hidden: int = 32, layers: int = 2, seed: int = 0, **overrides) -> Qwen2ForCausalLM:

@@ -1,0 +1,75 @@
+# %% [markdown]
+# # 05 · Comparing learning dynamics
+#
+# Pick runs (from notebook 04, `lopti-lab train` or `lopti-lab demo`) and compare how they learned: reward and
+# accuracy over steps, final test accuracy by people count in the paper's layout, how much of the gradient each
+# probability bin carried, and whether the high-probability tokens moved the way their advantage asked.
+
+# %%
+# Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
+QUICK = False
+
+import sys
+
+if "google.colab" in sys.modules:  # on Colab: install lopti_lab (one line) and turn on the widget manager
+    %pip install -q "lopti-lab @ git+https://github.com/lopti-lab/lopti_lab.git"
+    from google.colab import output
+
+    output.enable_custom_widget_manager()
+
+from pathlib import Path
+
+from lopti_lab import experiments, plots, runs, widgets
+
+# %% [markdown]
+# If there are no runs yet, this cell makes some: the lab demo trains GRPO, GRPO+AR, GRPO+Lopti and GRPO+AR+Lopti on
+# the same data and seeds (a few minutes on a CPU; seconds in QUICK mode).
+
+# %%
+root = Path("runs")
+if not widgets.find_runs(root):
+    report = experiments.run_demo(experiments.DemoConfig(quick=QUICK, out="reports/notebook05"))
+    root = report / "runs"
+print("runs under", root, ":", [p.name for p in widgets.find_runs(root)])
+
+# %%
+panel = widgets.ComparePanel(root=root)
+panel.show()
+panel
+
+# %% [markdown]
+# ## Final accuracy, in the paper's layout
+#
+# Accuracy is the share of test completions that score 3 (sampled at temperature 1.0), by number of people, and its
+# mean ("avg"). Below it, the paper's own numbers for Qwen2.5-3B-Instruct and 7B-Instruct-1M (PAPER.md §6).
+
+# %%
+long = runs.compare(widgets.find_runs(root))
+widgets.final_accuracy(long)
+
+# %%
+experiments.PAPER_TABLE
+
+# %% [markdown]
+# ## Where the gradient went, and which way the tokens moved
+#
+# Left: each probability bin's share of the response tokens and of the gradient, averaged over the probed steps
+# (the paper's Fig. 1a vs 1d). Right: after each probed update, the share of positive-advantage tokens whose
+# probability went up, per bin (the paper's Fig. 2b, during training). GRPO's weakness, in the paper, is the top bin:
+# its correct ratio falls toward 0.5 there, while AR and Lopti keep it up.
+
+# %%
+plots.gradient_share(long)
+
+# %%
+plots.correct_ratio(long)
+
+# %% [markdown]
+# ## What differs by scale
+#
+# The paper trains Qwen2.5-3B and 7B with full fine-tuning, 64 puzzles x 8 responses per step for about 350 steps,
+# on responses up to 4096 tokens; its GRPO gets to 0.39 (3B) and 0.77 (7B) average accuracy, and AR + Lopti adds
+# 0.18 and 0.14. The lab model has a few million parameters, a vocabulary of under a thousand tokens and compact
+# traces of tens of tokens, and trains for a few dozen steps on a CPU. Its token statistics differ (a small
+# vocabulary makes $\|e_y - \pi\|$ hug the upper bound less), and whether AR or Lopti helps it is a separate
+# experiment: read the spread across seeds before reading a difference.

@@ -1,0 +1,140 @@
+"""The frozen-batch counterfactual against a hand-made update, the attribution tables, and the lab demo."""
+
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import lopti_lab.trainer as trainer
+from lopti_lab import experiments
+from lopti_lab.kk import load_split
+from lopti_lab.models import LoraSpec, load_policy
+from lopti_lab.objective import group_advantages
+from lopti_lab.rollout import response_logprobs, sample
+
+LAB = Path(__file__).resolve().parents[1] / "data" / "lab_model" / "config.json"
+
+
+@pytest.fixture(scope="module")
+def policy(model_dir):
+    model, tok = load_policy(str(model_dir), LoraSpec(r=4, alpha=8))
+    with torch.no_grad():  # LoRA B starts at zero; give the adapter a non-trivial start
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def batch(policy):
+    model, tok = policy
+    puzzles = load_split("train", 3, limit=2)
+    torch.manual_seed(0)
+    rollout = sample(model, tok, [trainer.build_prompt(p, "base") for p in puzzles], 4, max_new_tokens=6)
+    # a fixed spread of rewards (the random model never solves a puzzle)
+    rewards = torch.tensor([3.0 if zlib.crc32(t.encode()) % 2 else -1.0 for t in rollout.texts])
+    rewards[0], rewards[1] = 3.0, -1.0
+    return experiments.FrozenBatch(puzzles, rollout, rewards, group_advantages(rewards, 4), 1.0)
+
+
+def test_counterfactual_grpo_equals_one_hand_made_sgd_step(policy, batch):
+    model, _ = policy
+    before = [p.detach().clone() for p in model.parameters()]
+    cf = experiments.counterfactual(model, batch, {"GRPO": {}}, lr=0.5, optimizer="sgd")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "weights restored"
+
+    rollout, mask = batch.rollout, batch.rollout.response_mask
+    params = [p for p in model.parameters() if p.requires_grad]
+    logp, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, mask, 1.0)
+    # at ratio 1 the clipped loss is -A * ratio, token mean over the batch
+    loss = -(batch.advantages[:, None] * (logp - rollout.old_logp).exp() * mask).sum() / mask.sum()
+    grads = torch.autograd.grad(loss, params)
+    total = torch.sqrt(sum(g.square().sum() for g in grads))
+    scale = min(1.0, 1.0 / (total.item() + 1e-6))  # the trainer clips the norm at grad_clip = 1.0, as torch does
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            p -= 0.5 * scale * g
+        new_logp, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, mask, 1.0)
+        for p, b in zip(model.parameters(), before):
+            p.copy_(b)
+    expected = (new_logp.exp() - rollout.old_logp.exp())[mask.bool()]
+    got = torch.tensor(cf.tokens.sort_values(["seq", "pos"])["delta_p"].to_numpy(), dtype=expected.dtype)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-4)
+    assert cf.updates.set_index("method").loc["GRPO", "optimizer_steps"] == 1
+
+
+def test_counterfactual_methods_differ_and_lopti_takes_two_steps(policy, batch):
+    model, _ = policy
+    methods = {**experiments.METHODS, "AR(alpha=0)": {"ar_alpha": 0.0}}
+    cf = experiments.counterfactual(model, batch, methods, lr=0.5, optimizer="sgd")
+    steps = cf.updates.set_index("method")["optimizer_steps"]
+    assert steps["GRPO"] == steps["GRPO+AR"] == 1 and steps["GRPO+Lopti"] == steps["GRPO+AR+Lopti"] == 2
+    dp = {m: t.sort_values(["seq", "pos"])["delta_p"].to_numpy() for m, t in cf.tokens.groupby("method")}
+    assert (dp["AR(alpha=0)"] == dp["GRPO"]).all()
+    assert not (dp["GRPO+AR"] == dp["GRPO"]).all()
+    assert set(cf.bins["sign"]) == {"pos", "neg"} and set(cf.bins["method"]) == set(methods)
+
+
+def test_counterfactual_rejects_an_unknown_optimizer(policy, batch):
+    with pytest.raises(ValueError, match="optimizer"):
+        experiments.counterfactual(policy[0], batch, optimizer="lion")
+
+
+def test_attribution_tables_add_up(policy, batch):
+    model, _ = policy
+    tables = experiments.attribution_tables(model, batch)
+    for attribution, rows in tables[tables["scope"] == "model"].groupby("attribution"):
+        parts = rows[rows["label"] != "all"]
+        assert parts["grad_share"].sum() == pytest.approx(1.0, abs=1e-4), attribution
+    assert set(tables["attribution"]) == {"loss", "position"}
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_demo_config_validation_and_quick_mode():
+    with pytest.raises(ValueError, match="methods"):
+        experiments.DemoConfig(methods=("PPO",))
+    with pytest.raises(ValueError, match="seeds"):
+        experiments.DemoConfig(seeds=0)
+    quick = experiments.DemoConfig(quick=True)
+    assert quick.steps == 2 and quick.eval_size <= 8
+    cfg = quick.train_config("GRPO+AR+Lopti", 1, Path("x"))
+    assert (cfg.ar_alpha, cfg.lopti_eta, cfg.seed, cfg.lora_r) == (0.3, 0.5, 1, None)
+    same = {k: v for k, v in vars(cfg).items() if k not in ("ar_alpha", "lopti_eta", "run_dir")}
+    other = quick.train_config("GRPO", 1, Path("y"))
+    assert same == {k: v for k, v in vars(other).items() if k not in ("ar_alpha", "lopti_eta", "run_dir")}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LAB.is_file(), reason="needs the bundled lab model")
+def test_demo_quick_writes_every_report_file(tmp_path):
+    import time
+
+    start = time.perf_counter()
+    out = experiments.run_demo(experiments.DemoConfig(quick=True, out=str(tmp_path / "demo")))
+    elapsed = time.perf_counter() - start
+    for name in (
+        "report.md",
+        "summary.json",
+        "metrics.csv",
+        "accuracy_sample.csv",
+        "accuracy_sample.md",
+        "accuracy_greedy.csv",
+        "accuracy_greedy.md",
+        "counterfactual.csv",
+    ):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    for name in ("learning_curves.png", "gradient_share.png", "correct_ratio.png"):
+        assert (out / name).stat().st_size > 10_000, f"{name} looks empty"
+    table = (out / "accuracy_sample.csv").read_text()
+    for row in ("warm start", "GRPO", "GRPO + AR", "GRPO + Lopti", "GRPO + AR + Lopti"):
+        assert row in table
+    report = (out / "report.md").read_text()
+    assert "over the warm start" in report and "![learning curves]" in report
+    assert len(list((out / "runs").iterdir())) == 4
+    assert elapsed < 150, f"demo --quick took {elapsed:.0f} s"
+    # a second call reuses the finished runs instead of training again
+    again = time.perf_counter()
+    experiments.run_demo(replace(experiments.DemoConfig(quick=True, out=str(out))))
+    assert time.perf_counter() - again < elapsed

@@ -1,0 +1,145 @@
+"""The notebook panels, driven without a browser: set controls, press buttons, read configs, outputs and run folders."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from tiny import fake_score
+
+import lopti_lab.trainer as trainer
+from lopti_lab import runs, theory, widgets
+from lopti_lab.trainer import TrainConfig
+
+
+def shows_png(output) -> bool:
+    return len(output.outputs) == 1 and len(output.outputs[0]["data"].get("image/png", "")) > 1000
+
+
+@pytest.fixture()
+def base(model_dir, monkeypatch):
+    monkeypatch.setattr(trainer, "score_response", fake_score)
+    return TrainConfig(
+        model=str(model_dir),
+        lora_r=4,
+        lora_alpha=8,
+        prompt_style="base",
+        train_people=(3,),
+        train_limit=8,
+        eval_people=(),
+        prompts_per_step=2,
+        group_size=4,
+        minibatch_size=8,
+        max_new_tokens=8,
+        lr=1e-3,
+        steps=2,
+        save_every=0,
+        probe_every=1,
+        progress=False,
+    )
+
+
+def test_setup_picks_the_lab_model_on_cpu():
+    env = widgets.setup(quick=True)
+    assert (env.model, env.lora_r, env.prompt_style, env.device) == ("lab", None, "chat_quiz", "cpu")
+    assert widgets.setup(model="Qwen/Qwen2.5-0.5B-Instruct").lora_r == 16
+    assert "lab" in env._repr_markdown_()
+
+
+def test_softmax_explorer_follows_the_temperature():
+    panel = widgets.SoftmaxExplorer(logits=[3.0, 1.0, 0.0, -1.0])
+    cold = panel.frame()
+    panel.temperature.value = 0.2
+    hot = panel.frame()
+    assert shows_png(panel.output), "a refresh replaces the figure instead of stacking a second one"
+    assert hot["prob"].iloc[0] > cold["prob"].iloc[0] and hot["grad_norm"].iloc[0] < cold["grad_norm"].iloc[0]
+    z = torch.tensor([3.0, 1.0, 0.0, -1.0], dtype=torch.float64) / 0.2
+    expected = theory.logit_grad_norm(z.expand(4, 4), torch.arange(4)).numpy()
+    np.testing.assert_allclose(hot["grad_norm"], expected, rtol=1e-12)
+    assert ((hot["lower"] <= hot["grad_norm"] + 1e-12) & (hot["grad_norm"] <= hot["upper"] + 1e-12)).all()
+
+
+def test_toy_panel_runs_the_chosen_methods():
+    panel = widgets.ToyPanel(steps=3)
+    panel.methods["Lopti"].value = False
+    panel.alpha.value = 0.6
+    result = panel.run()
+    assert list(result.steps["method"].unique()) == ["GRPO", "AR", "AR+Lopti"]
+    assert [m.alpha for m in panel.chosen()] == [0.0, 0.6, 0.6]
+    assert shows_png(panel.output)
+    for box in panel.methods.values():
+        box.value = False
+    assert panel.run() is None and "at least one" in panel.output.outputs[0]["data"]["text/plain"]
+
+
+def test_train_panel_toggles_build_the_right_config(base, tmp_path):
+    panel = widgets.TrainPanel(base=base, run_root=tmp_path)
+    cfg = panel.config()
+    assert (cfg.ar_alpha, cfg.lopti_eta, cfg.method) == (None, None, "GRPO")
+    panel.ar.value, panel.alpha.value = True, 0.25
+    assert panel.config().ar_alpha == 0.25 and panel.config().method == "GRPO+AR"
+    assert panel.eta.disabled and not panel.alpha.disabled
+    panel.lopti.value, panel.eta.value, panel.order.value = True, 0.4, "high_first"
+    cfg = panel.config()
+    assert (cfg.lopti_eta, cfg.lopti_order, cfg.method) == (0.4, "high_first", "GRPO+AR+Lopti(high-first)")
+    panel.ar.value = False
+    assert panel.config().ar_alpha is None
+    panel.group_size.value, panel.prompts.value = 3, 5
+    cfg = panel.config()
+    assert cfg.batch_size == 15 and 15 % cfg.minibatch_size == 0
+    panel.name.value = "mine"
+    assert panel.config().run_dir == str(tmp_path / "mine")
+
+
+def test_train_panel_run_writes_a_run_folder_and_plots(base, tmp_path):
+    panel = widgets.TrainPanel(base=base, run_root=tmp_path)
+    panel.lopti.value = True
+    panel.name.value = "lopti"
+    result = panel.run(block=True)
+    assert result is not None and not result.stopped and panel.error is None
+    assert [m["step"] for m in runs.load_metrics(tmp_path / "lopti")] == [1, 2]
+    assert runs.latest_checkpoint(tmp_path / "lopti") is not None
+    assert panel.progress.value == 2 and "done" in panel.status.value
+    assert shows_png(panel.output)
+    assert not panel.run_button.disabled and panel.stop_button.disabled
+
+
+def test_stop_ends_the_run_after_the_current_step(base, tmp_path):
+    panel = widgets.TrainPanel(base=base, run_root=tmp_path)
+    panel.steps.value, panel.name.value = 200, "stopped"
+    thread = panel.run(block=False)
+    deadline = time.time() + 120
+    while not panel.history and time.time() < deadline:
+        time.sleep(0.05)
+    assert panel.history, "the first step did not finish in time"
+    panel.stop_button.click()
+    result = panel.wait(timeout=120)
+    assert not thread.is_alive()
+    assert result.stopped and 1 <= len(result.history) < 200
+    records = runs.load_metrics(tmp_path / "stopped")
+    assert [r["step"] for r in records] == [m["step"] for m in result.history], "every finished step is on disk"
+    assert runs.latest_checkpoint(tmp_path / "stopped").name == f"step_{records[-1]['step']}"
+    assert "stopped" in panel.status.value
+
+
+def test_bad_setting_is_reported_not_run(base, tmp_path):
+    panel = widgets.TrainPanel(base=base, run_root=tmp_path)
+    panel.model.value = str(tmp_path / "missing" / "model")
+    assert panel.run(block=True) is None
+    assert "bad setting" in panel.status.value and "model" in panel.status.value
+    assert not list(tmp_path.iterdir())
+
+
+def test_compare_panel_reads_run_folders(base, tmp_path):
+    from dataclasses import replace
+
+    for name, extra in (("grpo", {}), ("ar", {"ar_alpha": 0.3})):
+        trainer.train(replace(base, run_dir=str(tmp_path / name), **extra))
+    panel = widgets.ComparePanel(root=tmp_path)
+    assert sorted(panel.runs.options) == sorted(str(tmp_path / n) for n in ("ar", "grpo"))
+    assert "reward/mean" in panel.metrics.options and "grad/share_bin0" in panel.metrics.options
+    long = panel.show()
+    assert set(long["method"]) == {"GRPO", "GRPO+AR"}
+    assert len(panel.output.outputs) == 2  # learning curves and the gradient shares (no evaluation in these runs)
+    panel.runs.value = ()
+    assert panel.show() is None
