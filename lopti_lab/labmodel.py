@@ -367,12 +367,14 @@ def lab_model_dir() -> Path:
 def load_lab_model(path: str | Path | None = None, device: str = "cpu", dtype=None):
     """The bundled lab model and its tokenizer, offline (local files only)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     path = Path(path) if path is not None else lab_model_dir()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"lab model not found at {path}: build it with `lopti-lab pretrain --out {path}`")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    # Not AutoTokenizer: for a qwen2 config it builds Qwen2Tokenizer, whose own pre-tokenizer (digits split one by
+    # one) replaces ours and silently changes the token ids the model was trained on ("Ġ2" -> "Ġ", "2").
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
     return model.to(device), tokenizer
 

@@ -341,6 +341,14 @@ def gradient_share(long: pd.DataFrame) -> Figure:
         ax.set_xlabel("probability bin (old policy), low to high")
         ax.axhline(0, color="0.5", lw=0.8)
         ax.set_title(title)
+    # "position" attribution also credits the prompt positions (attention carries the response's loss through them):
+    # drawn as its own bar, so the gradient shares visibly add up to 1
+    context = long[long["metric"] == "grad/share_context"].groupby("method")["value"].mean()
+    if not context.empty:
+        for i, method in enumerate(methods):
+            x = len(bins) + (i - (len(methods) - 1) / 2) * width
+            ax_grad.bar(x, context.get(method, np.nan), width, color=f"C{i}", alpha=0.45)
+        ax_grad.set_xticks(range(len(bins) + 1), [*edges, "prompt"])
     ax_tok.legend(fontsize="small")
     return fig
 

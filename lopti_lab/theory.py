@@ -160,7 +160,8 @@ def shift_summary(tokens: pd.DataFrame, bins: Sequence[float] = DEFAULT_BINS, by
         dp_mean=("delta_p", "mean"),
         dp_median=("delta_p", "median"),
     )
-    quartiles = grouped["delta_p"].quantile([0.25, 0.75]).unstack()
+    # reindex: with no token asking for a move (every group's rewards tied) there are no cells and no columns
+    quartiles = grouped["delta_p"].quantile([0.25, 0.75]).unstack().reindex(columns=[0.25, 0.75])
     table["dp_q25"], table["dp_q75"] = quartiles[0.25], quartiles[0.75]
     # Every (group, bin, sign) cell appears, empty ones with n_tokens = 0, so tables from different runs line up.
     groups = [()] if not by else list(tokens[by].drop_duplicates().itertuples(index=False, name=None))

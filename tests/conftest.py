@@ -1,9 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Notebook kernels and CLI subprocesses inherit this: one thread each, like the test workers (one_thread below), so
+# two workers on two cores never oversubscribe them (oversubscribed torch threads slow tiny models down several-fold).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 SHARED_KK = Path(__file__).resolve().parents[2] / "shared" / "reference" / "kk"
 

@@ -138,3 +138,57 @@ def test_demo_quick_writes_every_report_file(tmp_path):
     again = time.perf_counter()
     experiments.run_demo(replace(experiments.DemoConfig(quick=True, out=str(out))))
     assert time.perf_counter() - again < elapsed
+
+
+@pytest.mark.skipif(not LAB.is_file(), reason="needs the bundled lab model")
+def test_warm_start_evaluation_is_cached_by_weights_and_settings(tmp_path, monkeypatch):
+    import shutil
+
+    from lopti_lab import labmodel
+
+    folder = tmp_path / "lab_model"
+    shutil.copytree(LAB.parent, folder)
+    (folder / experiments.WARM_START_CACHE).unlink(missing_ok=True)
+    monkeypatch.setattr(labmodel, "lab_model_dir", lambda: folder)
+    model, tok = load_policy("lab", lora=None)
+    config = experiments.DemoConfig(eval_people=(2,), eval_size=3, eval_samples=1, max_new_tokens=120)
+    fresh = experiments.warm_start_eval(config, model, tok)
+    assert set(fresh) >= {"eval/greedy/acc_2ppl", "eval/sample/acc_2ppl"}
+    assert (folder / experiments.WARM_START_CACHE).is_file()
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("the cached result should have been used")
+
+    monkeypatch.setattr(experiments, "evaluate", no_evaluation)
+    assert experiments.warm_start_eval(config, model, tok) == fresh
+    with pytest.raises(AssertionError, match="cached"):  # other settings, or no cache wanted: measured again
+        experiments.warm_start_eval(replace(config, eval_size=4), model, tok)
+    with pytest.raises(AssertionError, match="cached"):
+        experiments.warm_start_eval(replace(config, cache_warm_start=False), model, tok)
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[:-1] + bytes([weights[-1] ^ 1]))
+    with pytest.raises(AssertionError, match="cached"):  # other weights
+        experiments.warm_start_eval(config, model, tok)
+
+
+def test_demo_cli_names_a_bad_method_before_any_work(tmp_path):
+    from lopti_lab.cli import main
+
+    with pytest.raises(SystemExit, match=r"methods.*PPO"):
+        main(["demo", "--methods", "GRPO", "PPO", "--out", str(tmp_path / "demo")])
+    assert not (tmp_path / "demo").exists()
+
+
+def test_accuracy_markdown_gives_a_spread_only_where_there_are_seeds():
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        {"model": ["Lab model (warm start)", "+ GRPO", "+ GRPO"], "3ppl": [0.25, 0.30, 0.40], "avg": [0.25, 0.3, 0.4]}
+    )
+    grouped = frame.groupby("model", sort=False)
+    text = experiments._markdown(grouped.mean(), grouped.std(ddof=1))
+    lines = text.splitlines()
+    assert lines[0] == "| K&K accuracy (people) | 3 | avg |"
+    assert lines[2] == "| Lab model (warm start) | 0.25 | 0.25 |"
+    assert lines[3] == "| + GRPO | 0.35 ± 0.07 | 0.35 ± 0.07 |"  # sample std of (.3, .4) = .0707
+    assert "±" not in experiments._markdown(grouped.mean(), None)

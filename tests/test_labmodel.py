@@ -155,3 +155,20 @@ def test_bundled_model_loads_offline_and_answers(tmp_path):
     assert int(out.stdout.strip().splitlines()[-1]) >= 7, "the warm start writes well-formed answers"
     size = sum(f.stat().st_size for f in BUNDLED.iterdir())
     assert size < 30e6
+
+
+@needs_bundle
+def test_bundled_tokenizer_is_the_one_pretrain_builds():
+    """The shipped tokenizer.json must encode exactly as build_tokenizer() does (what `lopti-lab pretrain` trains
+    with), through the class load_policy gives back: a tokenizer class that re-splits digits or spaces would feed
+    the warm-started model ids it never saw."""
+    bundled = load_lab_model(BUNDLED)[1]
+    rebuilt = build_tokenizer()
+    texts = []
+    for seed in range(20):
+        p = generate_puzzle(2 + seed % 4, seed=1000 + seed)
+        texts += [build_prompt(p, LAB_PROMPT_STYLE, bundled), lab_response(p), "12 345 knights 0.5 <answer>"]
+    for text in texts:
+        ids = [tok(text, add_special_tokens=False)["input_ids"] for tok in (bundled, rebuilt)]
+        assert ids[0] == ids[1], text
+    assert len(bundled) == len(rebuilt)

@@ -174,6 +174,15 @@ def test_gradient_share_bars_average_the_probed_steps():
     np.testing.assert_allclose(grad_bars[:4], [1.05, 0.3, 0.075, 0.075])  # GRPO first; mean over seeds x1 and x2
     with pytest.raises(ValueError, match="probe_every"):
         gradient_share(_long_table().query("not metric.str.contains('share')"))
+    # with "position" attribution the prompt's share gets its own bar per method, after the bins
+    long = _long_table()
+    probed = long[long["metric"] == "grad/share_bin0"].assign(metric="grad/share_context")
+    probed["value"] = np.where(probed["method"] == "GRPO", 0.4, 0.2)
+    fig = gradient_share(pd.concat([long, probed]))
+    grad_bars = [p.get_height() for p in fig.axes[1].patches]
+    assert len(grad_bars) == 2 * 4 + 2
+    np.testing.assert_allclose(grad_bars[-2:], [0.4, 0.2])  # GRPO first, as the bins
+    assert [t.get_text() for t in fig.axes[1].get_xticklabels()][-1] == "prompt"
 
 
 def test_correct_ratio_pools_bins_and_follows_the_top_bin():

@@ -166,6 +166,14 @@ def test_shift_summary_by_hand():
         shift_summary(tokens.drop(columns="delta_p"))
 
 
+def test_shift_summary_when_no_token_asks_to_move():
+    """Every group's rewards tied (all advantages 0), as happens on a hard batch: an all-empty table, not a crash."""
+    tokens = pd.DataFrame({"bin": [0, 1, 1], "advantage": [0.0, 0.0, 0.0], "delta_p": [0.1, -0.2, 0.0]})
+    table = shift_summary(tokens, (0, 0.5, 1))
+    assert len(table) == 4 and (table["n_tokens"] == 0).all()
+    assert table[["correct_ratio", "dp_q25", "dp_q75"]].isna().all().all()
+
+
 def test_group_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0])
     a = group_advantages(r, 2)

@@ -22,6 +22,8 @@ if "google.colab" in sys.modules:  # on Colab: install lopti_lab (one line) and 
 
 import torch
 
+%matplotlib inline
+
 from lopti_lab import plots, theory, widgets
 
 # %% [markdown]

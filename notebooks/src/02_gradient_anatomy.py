@@ -20,6 +20,8 @@ if "google.colab" in sys.modules:  # on Colab: install lopti_lab (one line) and 
 
 from IPython.display import HTML
 
+%matplotlib inline
+
 from lopti_lab import experiments, kk, models, plots, probes, widgets
 
 env = widgets.setup(quick=QUICK)

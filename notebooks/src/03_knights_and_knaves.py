@@ -21,6 +21,8 @@ if "google.colab" in sys.modules:  # on Colab: install lopti_lab (one line) and 
 
 import pandas as pd
 
+%matplotlib inline
+
 from lopti_lab import kk, plots
 
 # %% [markdown]

@@ -38,6 +38,8 @@ if "google.colab" in sys.modules:  # on Colab: install lopti_lab (one line) and 
 
     output.enable_custom_widget_manager()
 
+%matplotlib inline
+
 from lopti_lab import plots, runs, widgets
 
 env = widgets.setup(quick=QUICK)  # widgets.setup(model="Qwen/Qwen2.5-3B-Instruct") to choose another policy
@@ -89,9 +91,9 @@ if panel.result is not None:
 # The same run from a terminal:
 #
 # ```bash
-# lopti-lab train --model lab --lora-r none --prompt-style chat_quiz --ar 0.3 --lopti 0.5 --steps 24 \
-#     --prompts-per-step 8 --group-size 8 --minibatch-size 64 --max-new-tokens 200 --lr 2e-5 --kl-coef 0 \
-#     --run-dir runs/ar_lopti
+# lopti-lab train --model lab --lora-r none --prompt-style chat_quiz --ar 0.3 --lopti 0.5 --steps 20 \
+#     --train-people 3 --prompts-per-step 8 --group-size 8 --minibatch-size 32 --max-new-tokens 200 --lr 1e-4 \
+#     --kl-coef 0 --run-dir runs/ar_lopti
 # lopti-lab eval --run runs/ar_lopti --people 2 3 4 5 --prompt-style chat_quiz
 # ```
 #

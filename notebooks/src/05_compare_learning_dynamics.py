@@ -19,6 +19,8 @@ if "google.colab" in sys.modules:  # on Colab: install lopti_lab (one line) and 
 
 from pathlib import Path
 
+%matplotlib inline
+
 from lopti_lab import experiments, plots, runs, widgets
 
 # %% [markdown]
