@@ -236,8 +236,8 @@ class DemoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"DemoConfig.{name} must be an int >= 1, got {value!r}")
-        if self.quick:
-            self.steps, self.eval_size, self.eval_samples = 2, 8, 1
+        if self.quick:  # every code path once, on the smallest batches that exercise it (tests, notebook QUICK)
+            self.steps, self.prompts_per_step, self.group_size, self.eval_size, self.eval_samples = 2, 4, 4, 8, 1
             self.eval_people, self.probe_every = self.eval_people[:2], 1
 
     def train_config(self, method: str, seed: int, run_dir: Path) -> TrainConfig:

@@ -111,9 +111,11 @@ def test_demo_config_validation_and_quick_mode():
 def test_demo_quick_writes_every_report_file(tmp_path):
     import time
 
-    start = time.perf_counter()
+    # CPU seconds of this process (torch runs one thread in the tests): the other test worker shares the two cores,
+    # which stretches wall time but not this; `lopti-lab demo --quick` alone took 87 s of wall time here
+    start = time.process_time()
     out = experiments.run_demo(experiments.DemoConfig(quick=True, out=str(tmp_path / "demo")))
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     for name in (
         "report.md",
         "summary.json",
@@ -133,11 +135,11 @@ def test_demo_quick_writes_every_report_file(tmp_path):
     report = (out / "report.md").read_text()
     assert "over the warm start" in report and "![learning curves]" in report
     assert len(list((out / "runs").iterdir())) == 4
-    assert elapsed < 150, f"demo --quick took {elapsed:.0f} s"
+    assert elapsed < 120, f"demo --quick took {elapsed:.0f} CPU seconds"
     # a second call reuses the finished runs instead of training again
-    again = time.perf_counter()
+    again = time.process_time()
     experiments.run_demo(replace(experiments.DemoConfig(quick=True, out=str(out))))
-    assert time.perf_counter() - again < elapsed
+    assert time.process_time() - again < elapsed
 
 
 @pytest.mark.skipif(not LAB.is_file(), reason="needs the bundled lab model")
