@@ -189,7 +189,9 @@ class DemoConfig:
     The shared settings were picked on GRPO alone, 3-person puzzles, 400 sampled test completions after 30 steps
     (warm start 25.75%): lr 5e-5 on 3-5 people 25.75%; lr 1e-4 on 3 people 30.25% (minibatch 64), 30.5% (32),
     25.5% (16), 31.25% (rollouts at T = 1.0); lr 3e-4 at T = 1.0 collapsed to 12%. Training on 3 people only keeps
-    responses short, so more steps fit in the 15-minute budget.
+    responses short, so more steps fit in the 15-minute budget. A wider sweep (`benchmarks/lab_rl_sweep.py`, table
+    in benchmarks/README.md) found no setting that gains more than 5 points in 20 steps; two PPO epochs at T = 1.0
+    (`ppo_epochs=2, temperature=1.0`) gain about 10 points, but only after 40-60 steps, beyond the budget.
     """
 
     out: str = "reports/demo"
@@ -208,6 +210,8 @@ class DemoConfig:
     """rollouts per optimizer step: two minibatches per RL step (the paper: 512 rollouts in minibatches of 256)"""
     temperature: float = 0.7
     """rollout temperature (the paper's 0.7); evaluation samples at 1.0"""
+    ppo_epochs: int = 1
+    """passes over each step's rollouts per stage (the paper: 1)"""
     max_new_tokens: int = 200
     train_people: tuple[int, ...] = (3,)
     eval_people: tuple[int, ...] = (2, 3, 4, 5)
@@ -232,7 +236,8 @@ class DemoConfig:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"DemoConfig.methods: unknown {unknown}; choose from {list(METHODS)}")
-        for name in ("seeds", "steps", "prompts_per_step", "group_size", "minibatch_size", "eval_size", "eval_samples"):
+        for name in ("seeds", "steps", "prompts_per_step", "group_size", "minibatch_size", "eval_size", "eval_samples",
+                     "ppo_epochs"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"DemoConfig.{name} must be an int >= 1, got {value!r}")
@@ -255,6 +260,7 @@ class DemoConfig:
             lr=self.lr,
             minibatch_size=min(self.minibatch_size, self.prompts_per_step * self.group_size),
             kl_coef=0.0,
+            ppo_epochs=self.ppo_epochs,
             steps=self.steps,
             seed=seed,
             eval_every=0,
@@ -498,11 +504,15 @@ def add_cli(subparsers) -> None:
     p.add_argument("--steps", type=int, default=None, help="RL steps per run")
     p.add_argument("--methods", nargs="+", default=None, help=f"a subset of {', '.join(METHODS)}")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-4)")
+    p.add_argument("--temperature", type=float, default=None, help="rollout temperature (default 0.7)")
+    p.add_argument("--ppo-epochs", type=int, default=None, help="passes over each step's rollouts (default 1)")
     p.set_defaults(func=_cli_demo)
 
 
 def _cli_demo(args) -> int:
-    overrides = {"steps": args.steps} if args.steps else {}
+    names = ("steps", "lr", "temperature", "ppo_epochs")
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.methods:
         overrides["methods"] = tuple(args.methods)
     try:

@@ -107,7 +107,8 @@ class TrainConfig:
     max_prompt_tokens: int | None = None
     """fail if a prompt is longer (the paper: 400); None = no check"""
     generate_batch_size: int | None = None
-    """rows per generate call and per log-prob forward (GPU memory); None = the whole batch"""
+    """rows per generate call (GPU memory; None = the whole batch) and, without micro_batch_size, per log-prob
+    forward"""
 
     # --- optimisation ---
     lr: float = 1e-6
@@ -116,12 +117,17 @@ class TrainConfig:
     """AdamW weight decay (the paper: 0.01)"""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas"""
+    adam_eps: float = 1e-8
+    """AdamW epsilon (larger values damp the updates of parameters whose gradients are tiny)"""
+    warmup_steps: int = 0
+    """linear learning-rate warmup over the first N RL steps (lr x step / N); 0 = constant lr"""
     grad_clip: float | None = 1.0
     """clip the gradient norm of each optimizer step (the paper: 1.0); None = no clipping"""
     minibatch_size: int = 256
     """responses per optimizer step (the paper: 256); must divide B"""
     micro_batch_size: int | None = None
-    """responses per forward/backward inside a minibatch (gradient accumulation); None = the whole minibatch"""
+    """responses per forward/backward inside a minibatch (gradient accumulation) and per no-grad log-prob forward;
+    None = the whole minibatch"""
     ppo_epochs: int = 1
     """passes over the step's batch per stage (the paper: 1)"""
 
@@ -186,6 +192,13 @@ class TrainConfig:
     @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    @property
+    def logprob_batch_size(self) -> int | None:
+        """Rows per no-grad log-prob forward (pi_old, reference): the update's micro-batch, which is sized to fit
+        with gradients, else generate_batch_size. Its logits are rows x response length x vocabulary: 128 rows of
+        4096 tokens over Qwen's 151,936-token vocabulary would be 148 GiB in bf16."""
+        return self.micro_batch_size or self.generate_batch_size
 
     @property
     def optimizer_steps_per_stage(self) -> int:
@@ -262,6 +275,8 @@ def _validate(c: TrainConfig) -> None:
     optional("generate_batch_size", positive_int, "must be an int >= 1")
     need(c.lr > 0, "lr", "must be > 0")
     need(c.weight_decay >= 0, "weight_decay", "must be >= 0")
+    need(c.adam_eps > 0, "adam_eps", "must be > 0")
+    need(isinstance(c.warmup_steps, int) and c.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
     need(len(c.betas) == 2 and all(0.0 <= b < 1.0 for b in c.betas), "betas", "must be two numbers in [0, 1)")
     optional("grad_clip", lambda v: v > 0, "must be > 0")
     need(positive_int(c.minibatch_size), "minibatch_size", "must be an int >= 1")
@@ -467,7 +482,7 @@ def train_step(
     # needs it from the weights before the first. Plain GRPO with one optimizer step per rollout gets it exactly from
     # its update forward instead (weights unchanged until the step), which saves a forward pass, as TRL does.
     needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or cfg.optimizer_steps_per_stage > 1
-    add_logprobs(model, rollout, cfg.temperature, True, reference, cfg.generate_batch_size, policy=needs_old)
+    add_logprobs(model, rollout, cfg.temperature, True, reference, cfg.logprob_batch_size, policy=needs_old)
     sync()
     t2 = time.perf_counter()
     rewards = score_rollout(rollout, puzzles)
@@ -666,7 +681,9 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
     reference = Reference(model) if cfg.kl_coef > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     fused = params[0].is_cuda
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, fused=fused
+    )
 
     start, history = 0, []
     checkpoint = runs.latest_checkpoint(folder.path) if resume else None
@@ -684,6 +701,8 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
     for step in bar:
         t0 = time.perf_counter()
         probe = cfg.probe_every > 0 and step % cfg.probe_every == 0
+        for group in optimizer.param_groups:  # a function of the step alone, so a resumed run continues it exactly
+            group["lr"] = learning_rate(cfg, step)
         metrics = {"step": step, **train_step(model, tokenizer, optimizer, stream.batch(step), cfg, reference, probe)}
         if eval_set and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             t_eval = time.perf_counter()
@@ -713,6 +732,13 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
             break
     bar.close()
     return TrainResult(folder.path, model, tokenizer, cfg, history, stopped and history[-1]["step"] < cfg.steps)
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """The learning rate of RL step ``step`` (1-based): linear warmup over ``warmup_steps``, then constant."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    return cfg.lr
 
 
 def load_trained(run_dir: str | Path, step: int | None = None, device: str | None = None):

@@ -97,6 +97,7 @@ def training_defaults(env: Environment, steps: int | None = None):
             group_size=8,
             minibatch_size=64,
             generate_batch_size=64,
+            micro_batch_size=8,  # the update and log-prob forwards: 8 x 1024 x 151,936 bf16 logits = 2.3 GiB
             max_new_tokens=1024,
             lr=2e-5,
             steps=100,

@@ -97,6 +97,10 @@ def test_demo_config_validation_and_quick_mode():
         experiments.DemoConfig(methods=("PPO",))
     with pytest.raises(ValueError, match="seeds"):
         experiments.DemoConfig(seeds=0)
+    with pytest.raises(ValueError, match="ppo_epochs"):
+        experiments.DemoConfig(ppo_epochs=0)
+    longer = experiments.DemoConfig(ppo_epochs=2, temperature=1.0, lr=5e-5).train_config("GRPO", 0, Path("x"))
+    assert (longer.ppo_epochs, longer.temperature, longer.lr) == (2, 1.0, 5e-5)
     quick = experiments.DemoConfig(quick=True)
     assert quick.steps == 2 and quick.eval_size <= 8
     cfg = quick.train_config("GRPO+AR+Lopti", 1, Path("x"))
@@ -178,6 +182,18 @@ def test_demo_cli_names_a_bad_method_before_any_work(tmp_path):
 
     with pytest.raises(SystemExit, match=r"methods.*PPO"):
         main(["demo", "--methods", "GRPO", "PPO", "--out", str(tmp_path / "demo")])
+    assert not (tmp_path / "demo").exists()
+
+
+def test_demo_cli_passes_the_rl_settings_and_names_a_bad_one(tmp_path, monkeypatch):
+    from lopti_lab.cli import main
+
+    seen = []
+    monkeypatch.setattr(experiments, "run_demo", lambda config: seen.append(config) or Path(config.out))
+    assert main(["demo", "--lr", "5e-5", "--temperature", "1.0", "--ppo-epochs", "2", "--out", str(tmp_path)]) == 0
+    assert (seen[0].lr, seen[0].temperature, seen[0].ppo_epochs, seen[0].steps) == (5e-5, 1.0, 2, 20)
+    with pytest.raises(SystemExit, match="ppo_epochs"):
+        main(["demo", "--ppo-epochs", "0", "--out", str(tmp_path / "demo")])
     assert not (tmp_path / "demo").exists()
 
 

@@ -219,6 +219,8 @@ BAD = [
     ("group_size", 1),
     ("minibatch_size", 3),  # does not divide B = 2 x 4
     ("micro_batch_size", 3),
+    ("adam_eps", 0.0),
+    ("warmup_steps", -1),
     ("lopti_order", "middle"),
     ("prompt_style", "poem"),
     ("temperature", 0.0),
@@ -375,3 +377,44 @@ def test_shift_metrics_match_a_per_token_count(config):
     for (sign, k), (n, c) in counts.items():
         assert metrics[f"shift/n_{sign}_bin{k}"] == n
         assert metrics[f"shift/correct_{sign}_bin{k}"] == pytest.approx(c / n)
+
+
+def test_logprob_forwards_never_hold_more_rows_than_a_micro_batch(config, monkeypatch):
+    """The no-grad pi_old / reference forwards keep rows x T x V logits: they must run micro_batch_size rows at a
+    time (found on the GPU, where a whole 64-row batch of 512 tokens put 9.3 GiB of logits in one forward)."""
+    import lopti_lab.rollout as rollout
+
+    rows = []
+    real = rollout.response_logprobs
+
+    def spy(model, input_ids, *args, **kwargs):
+        rows.append((torch.is_grad_enabled(), input_ids.shape[0]))
+        return real(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(rollout, "response_logprobs", spy)  # add_logprobs' forwards (the update's are trainer's)
+    cfg = replace(config, steps=1, lopti_eta=0.5, kl_coef=0.01, micro_batch_size=2, eval_people=())
+    train(cfg)
+    no_grad = [n for grad, n in rows if not grad]
+    assert len(no_grad) == 2 * cfg.batch_size // 2  # pi_old and the reference, 2 rows at a time
+    assert max(no_grad) == 2
+    assert replace(cfg, micro_batch_size=None, generate_batch_size=4).logprob_batch_size == 4
+
+
+def test_warmup_ramps_the_learning_rate_and_resume_continues_it(config, tmp_path, monkeypatch):
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def spy_step(self, *args, **kwargs):
+        seen.append(self.param_groups[0]["lr"])
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy_step)
+    cfg = replace(config, steps=4, warmup_steps=3, lr=1e-3, eval_people=(), save_every=1)
+    train(cfg)
+    assert seen == pytest.approx([1e-3 / 3, 1e-3 / 3, 2e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3, 1e-3])  # 2 steps each
+    assert [trainer.learning_rate(cfg, s) for s in (1, 2, 3, 9)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
+    seen.clear()
+    folder = tmp_path / "resumed"
+    train(replace(cfg, steps=2, run_dir=str(folder)))
+    train(replace(cfg, run_dir=str(folder)), resume=True)
+    assert seen == pytest.approx([1e-3 / 3, 1e-3 / 3, 2e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3, 1e-3])
