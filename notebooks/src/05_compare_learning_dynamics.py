@@ -75,3 +75,8 @@ plots.correct_ratio(long)
 # traces of tens of tokens, and trains for a few dozen steps on a CPU. Its token statistics differ (a small
 # vocabulary makes $\|e_y - \pi\|$ hug the upper bound less), and whether AR or Lopti helps it is a separate
 # experiment: read the spread across seeds before reading a difference.
+#
+# Measured in this project (README, "The demo"; commands there): with the demo's 20 steps, GRPO moved the lab model's
+# 3-person sampled accuracy from 0.29 to 0.30 ± 0.02 over 3 seeds, and AR and Lopti did not beat it; 60 steps with two
+# PPO epochs per batch reached 0.32 ± 0.05, although the warm start solves 95% of those puzzles in 16 tries. At this
+# scale RL is short of steps, so treat the comparison as a rehearsal of the method, not a test of the paper's claim.
