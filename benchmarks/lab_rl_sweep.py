@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# name -> TrainConfig overrides on top of BASE
+# name -> TrainConfig overrides on top of the demo's settings (sweep_config)
 CONFIGS: dict[str, dict] = {
     "base": {},
     "t1": {"temperature": 1.0},
@@ -42,30 +42,23 @@ CONFIGS: dict[str, dict] = {
 }
 
 
-def base_config(steps: int, eval_every: int, eval_samples: int) -> dict:
-    """The demo's settings (DemoConfig defaults) with a 3-person-only sampled evaluation every eval_every steps."""
-    from lopti_lab import labmodel
+def sweep_config(name: str, seed: int, args: argparse.Namespace):
+    """The demo's TrainConfig for GRPO (`DemoConfig` defaults, so the sweep's "base" is the demo) with a 3-person
+    sampled evaluation every ``--eval-every`` steps, no probes, then the configuration's overrides."""
+    from dataclasses import replace
 
-    return dict(
-        model="lab",
-        lora_r=None,
-        prompt_style=labmodel.LAB_PROMPT_STYLE,
-        train_people=(3,),
+    from lopti_lab.experiments import DemoConfig
+
+    demo = DemoConfig(steps=args.steps).train_config("GRPO", seed, Path(args.out) / f"{name}-seed{seed}")
+    return replace(
+        demo,
         eval_people=(3,),
         eval_modes=("sample",),
-        eval_samples=eval_samples,
-        eval_size=100,
-        prompts_per_step=8,
-        group_size=8,
-        temperature=0.7,
-        max_new_tokens=200,
-        lr=1e-4,
-        minibatch_size=32,
-        kl_coef=0.0,
-        steps=steps,
-        eval_every=eval_every,
-        save_every=0,
+        eval_samples=args.eval_samples,
+        eval_every=args.eval_every,
+        probe_every=0,
         progress=False,
+        **CONFIGS[name],
     )
 
 
@@ -80,14 +73,10 @@ def parse_run(text: str) -> tuple[str, int]:
 def run_one(name: str, seed: int, args: argparse.Namespace) -> None:
     import torch
 
-    from lopti_lab.trainer import TrainConfig, train
+    from lopti_lab.trainer import train
 
     torch.set_num_threads(args.threads)
-    cfg = TrainConfig(
-        **{**base_config(args.steps, args.eval_every, args.eval_samples), **CONFIGS[name]},
-        seed=seed,
-        run_dir=str(Path(args.out) / f"{name}-seed{seed}"),
-    )
+    cfg = sweep_config(name, seed, args)
     start = time.perf_counter()
 
     def log(metrics: dict) -> None:
@@ -99,29 +88,32 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> None:
     train(cfg, callbacks=[log])
 
 
-def warm_start(seeds: int, samples: int, pass_k: int, threads: int) -> None:
+def warm_start(pass_k: int, args: argparse.Namespace) -> None:
     """The warm start under the sweep's evaluation (one row per seed), and pass@k of k samples per test puzzle."""
     import numpy as np
     import torch
 
-    from lopti_lab import labmodel
     from lopti_lab.kk import build_prompt, load_split
     from lopti_lab.models import load_policy
     from lopti_lab.rollout import sample
     from lopti_lab.trainer import evaluate, score_rollout
 
-    torch.set_num_threads(threads)
-    model, tokenizer = load_policy("lab", lora=None)
-    puzzles = load_split("test", (3,), limit=100)
-    for seed in range(seeds):
+    torch.set_num_threads(args.threads)
+    cfg = sweep_config("base", 0, args)
+    model, tokenizer = load_policy(cfg.model, lora=None)
+    puzzles = load_split("test", cfg.eval_people, limit=cfg.eval_size)
+    for seed in range(args.seeds_for_warm):
         acc = evaluate(
-            model, tokenizer, puzzles, prompt_style=labmodel.LAB_PROMPT_STYLE, max_new_tokens=200,
-            modes=("sample",), samples=samples, temperature=1.0, seed=seed,
+            model, tokenizer, puzzles, prompt_style=cfg.prompt_style, max_new_tokens=cfg.max_new_tokens,
+            modes=cfg.eval_modes, samples=cfg.eval_samples, temperature=cfg.eval_temperature, seed=seed,
         )["eval/sample/acc_3ppl"]  # fmt: skip
-        print(f"warm start, seed {seed}: 3-person accuracy {acc:.4f} ({samples} samples per puzzle, T = 1.0)")
+        print(f"warm start, seed {seed}: 3-person accuracy {acc:.4f} ({cfg.eval_samples} samples per puzzle, T = 1.0)")
     torch.manual_seed(0)
-    prompts = [build_prompt(p, labmodel.LAB_PROMPT_STYLE, tokenizer) for p in puzzles]
-    rollout = sample(model, tokenizer, prompts, pass_k, max_new_tokens=200, temperature=1.0, with_logprobs=False)
+    prompts = [build_prompt(p, cfg.prompt_style, tokenizer) for p in puzzles]
+    rollout = sample(
+        model, tokenizer, prompts, pass_k, max_new_tokens=cfg.max_new_tokens, temperature=cfg.eval_temperature,
+        with_logprobs=False,
+    )  # fmt: skip
     correct = np.array([r.total == 3 for r in score_rollout(rollout, puzzles)]).reshape(len(puzzles), pass_k)
     ks = sorted({1, *(k for k in (2, 4, 8, 16, 32, 64) if k <= pass_k), pass_k})
     print(f"accuracy over all {pass_k} samples per puzzle: {correct.mean():.3f}")
@@ -148,15 +140,11 @@ def summarize(out: Path) -> None:
     print("\nseconds per step:", per_step.round(2).to_dict())
 
 
-def _as_run(item) -> tuple[str, int]:
-    return item if isinstance(item, tuple) else parse_run(item)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/lab_rl_sweep")
     parser.add_argument(
-        "--configs", nargs="+", type=parse_run, default=list(CONFIGS), help="names, or name@seed for another seed"
+        "--configs", nargs="+", type=parse_run, default=None, help="names, or name@seed for another seed (default: all)"
     )
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--eval-every", type=int, default=10)
@@ -169,13 +157,14 @@ def main() -> None:
                         help="only evaluate the warm start (--seeds-for-warm seeds) and its pass@1..K")  # fmt: skip
     args = parser.parse_args()
     if args.warm_start:
-        warm_start(args.seeds_for_warm, args.eval_samples, args.warm_start, args.threads)
+        warm_start(args.warm_start, args)
         return
     out = Path(args.out)
     if not args.summarize:
         out.mkdir(parents=True, exist_ok=True)
         ctx = mp.get_context("spawn")
-        runs = [(name, args.seed if seed < 0 else seed) for name, seed in map(_as_run, args.configs)]
+        chosen = args.configs or [(name, -1) for name in CONFIGS]
+        runs = [(name, args.seed if seed < 0 else seed) for name, seed in chosen]
         procs = [ctx.Process(target=run_one, args=(n, s, args), name=f"{n}@{s}") for n, s in runs]
         for p in procs:
             p.start()

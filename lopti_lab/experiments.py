@@ -190,8 +190,9 @@ class DemoConfig:
     (warm start 25.75%): lr 5e-5 on 3-5 people 25.75%; lr 1e-4 on 3 people 30.25% (minibatch 64), 30.5% (32),
     25.5% (16), 31.25% (rollouts at T = 1.0); lr 3e-4 at T = 1.0 collapsed to 12%. Training on 3 people only keeps
     responses short, so more steps fit in the 15-minute budget. A wider sweep (`benchmarks/lab_rl_sweep.py`, table
-    in benchmarks/README.md) found no setting that gains more than 5 points in 20 steps; two PPO epochs at T = 1.0
-    (`ppo_epochs=2, temperature=1.0`) gain about 10 points, but only after 40-60 steps, beyond the budget.
+    in benchmarks/README.md) found no setting that gains more than 5 points in 20 steps; its best, two PPO epochs at
+    T = 1.0 (`ppo_epochs=2, temperature=1.0`), gained about 9 points after 40-60 steps there (2 seeds), and 3 ± 5 over
+    3 seeds when run the demo's way for 60 steps (28.5 min for GRPO alone): beyond the budget either way.
     """
 
     out: str = "reports/demo"
