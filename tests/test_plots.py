@@ -197,6 +197,7 @@ def test_correct_ratio_pools_bins_and_follows_the_top_bin():
     rendered(fig)
     by_bin, over_steps, unmoved = fig.axes
     np.testing.assert_allclose(by_bin.lines[1].get_ydata(), [0.6] * 4)  # GRPO+AR, pooled
+    assert [b.get_height() for b in unmoved.patches] == [0.0] * 8  # no shift/unmoved_* logged: all counted as moved
     np.testing.assert_allclose(over_steps.lines[0].get_xdata(), [2, 3])
     with pytest.raises(ValueError, match="shift"):
         correct_ratio(_long_table().query("not metric.str.startswith('shift')"))

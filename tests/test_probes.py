@@ -13,7 +13,6 @@ from tiny import tiny_qwen2
 from torch import nn
 
 from lopti_lab import probes
-from lopti_lab.probes.shift import in_float64
 from lopti_lab.probes import (
     GradientProbe,
     bin_gradient_norms,
@@ -24,6 +23,7 @@ from lopti_lab.probes import (
     to_metrics,
     token_stats,
 )
+from lopti_lab.probes.shift import in_float64
 from lopti_lab.theory import DEFAULT_BINS, bin_index, logit_grad_norm
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -505,7 +505,8 @@ def test_probability_shift_by_hand():
     )
     assert table["n_tokens"].to_dict() == {(0, "pos"): 2, (0, "neg"): 1, (1, "pos"): 2, (1, "neg"): 2}
     assert table["n_moved"].to_dict() == {(0, "pos"): 2, (0, "neg"): 1, (1, "pos"): 1, (1, "neg"): 2}
-    assert table["unmoved_share"].to_dict() == pytest.approx({(0, "pos"): 0, (0, "neg"): 0, (1, "pos"): 0.5, (1, "neg"): 0})
+    unmoved = {(0, "pos"): 0, (0, "neg"): 0, (1, "pos"): 0.5, (1, "neg"): 0}
+    assert table["unmoved_share"].to_dict() == pytest.approx(unmoved)
     assert table.loc[(0, "pos"), "dp_mean"] == pytest.approx(0.0, abs=1e-12)
     assert table.loc[(1, "neg"), "dp_mean"] == pytest.approx(-0.075)
     assert len(shift.tokens) == 7 and shift.tokens["correct"].sum() == 4
