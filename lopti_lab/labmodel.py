@@ -27,6 +27,7 @@ from pathlib import Path
 
 from lopti_lab.kk import NAMES, Puzzle, build_prompt, generate_puzzle, instruct_prompt
 from lopti_lab.kk.data import load_split, puzzle_seed
+from lopti_lab.labtrace import TraceStyle, lab_trace
 
 # ---------------------------------------------------------------------------------------------------------------------
 # tokenizer
@@ -41,25 +42,32 @@ CHAT_TEMPLATE = (
 )
 LAB_PROMPT_STYLE = "chat_quiz"
 TOKENIZER_VOCAB = 1024
+DEFAULT_SLIP = 0.03
+"""Slip rate of the warm start's traces (``labtrace.TraceStyle.slip``)."""
 
 
-def lab_response(puzzle: Puzzle) -> str:
-    """The supervised target after the prompt's "<think>": the compact solver trace, then the answer.
+def lab_response(puzzle: Puzzle, rng: random.Random | None = None, style: TraceStyle | None = None) -> str:
+    """The supervised target after the prompt's "<think>": the lab trace (``labtrace``), then the answer.
+
+    Without ``rng`` the wording and check order are drawn from a generator seeded by the puzzle itself, so the same
+    puzzle always gives the same text; ``style`` defaults to a trace without slips.
 
     >>> p = generate_puzzle(2, 0)
     >>> lab_response(p).endswith("</think><answer>" + p.solution_text_format + "</answer>")
     True
     """
-    return f" {puzzle.compact_trace()}</think><answer>{puzzle.solution_text_format}</answer>"
+    rng = rng if rng is not None else random.Random(repr((puzzle.statements, puzzle.names)))
+    return lab_trace(puzzle, rng, style or TraceStyle())
 
 
-def tokenizer_corpus(n_puzzles: int = 3000, seed: int = 0) -> list[str]:
+def tokenizer_corpus(n_puzzles: int = 3000, seed: int = 0, style: TraceStyle | None = None) -> list[str]:
     """Text the BPE merges are learned from: generated quizzes for 2-8 people in every prompt style, their chains of
-    thought, compact traces and answers, and every name in every position."""
+    thought, lab traces and answers, and every name in every position."""
     texts = []
     for i in range(n_puzzles):
         p = generate_puzzle(2 + i % 7, puzzle_seed(seed, "tokenizer", 2 + i % 7, i))
-        texts += [instruct_prompt(p), p.quiz, lab_response(p), " ".join(p.cot_repeat_steps), p.solution_text]
+        trace = lab_response(p, random.Random(i), style) if p.n_people <= 5 else ""
+        texts += [instruct_prompt(p), p.quiz, trace, " ".join(p.cot_repeat_steps), p.solution_text]
     texts += [f'"{n} is a knight," {n} said. {n}\'s {n}' for n in NAMES]
     return texts
 
@@ -108,7 +116,7 @@ class LabModelSpec:
     num_hidden_layers: int = 6
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 1024
+    max_position_embeddings: int = 2048
 
     def qwen2_config(self, tokenizer):
         from transformers import Qwen2Config
@@ -177,12 +185,18 @@ class PretrainConfig:
     final_size: int | None = None
     """Test puzzles per people count in the final evaluation (None: all 100)."""
     spec: LabModelSpec = field(default_factory=LabModelSpec)
+    trace: TraceStyle = field(default_factory=lambda: TraceStyle(slip=DEFAULT_SLIP))
+    """Wording, check order and slip rate of the supervised traces (``labtrace.TraceStyle``)."""
+    max_new_tokens: int = 896
+    """Response cap of the evaluations (a 4-person trace runs to ~800 tokens; 2-3 people stay under 450)."""
     threads: int | None = None
     """torch threads (None: torch's default)."""
 
     def __post_init__(self):
         if isinstance(self.spec, dict):
             self.spec = LabModelSpec(**self.spec)
+        if isinstance(self.trace, dict):
+            self.trace = TraceStyle(**{k: tuple(v) if isinstance(v, list) else v for k, v in self.trace.items()})
         self.people, self.people_weights = tuple(self.people), tuple(self.people_weights)
         self.final_people = tuple(self.final_people)
         if len(self.people) != len(self.people_weights) or not self.people:
@@ -195,10 +209,12 @@ class PretrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
 
 
-def encode_example(tokenizer, puzzle: Puzzle) -> tuple[list[int], int]:
+def encode_example(
+    tokenizer, puzzle: Puzzle, rng: random.Random | None = None, style: TraceStyle | None = None
+) -> tuple[list[int], int]:
     """Token ids of prompt + target response + <|im_end|>, and the prompt length (the loss starts after it)."""
     prompt = tokenizer(build_prompt(puzzle, LAB_PROMPT_STYLE, tokenizer), add_special_tokens=False)["input_ids"]
-    response = tokenizer(lab_response(puzzle), add_special_tokens=False)["input_ids"]
+    response = tokenizer(lab_response(puzzle, rng, style), add_special_tokens=False)["input_ids"]
     return prompt + response + [tokenizer.eos_token_id], len(prompt)
 
 
@@ -231,27 +247,41 @@ def lr_at(step: int, config: PretrainConfig) -> float:
 
 
 class TraceStream:
-    """Warm-start examples: fresh generated puzzles (never a test-split statement set), one people count per batch so
-    padding stays small. Deterministic in (seed, batch index)."""
+    """Warm-start examples: fresh generated puzzles (never a test-split statement set), one people count per batch
+    and ``BUCKETS`` batches of it drawn at once and cut by length, so padding stays small (lab traces vary about
+    twofold in length). Deterministic in the seed and the order of calls."""
+
+    BUCKETS = 4
 
     def __init__(self, tokenizer, config: PretrainConfig):
         self.tokenizer, self.config = tokenizer, config
         self.held_out = held_out_statements(config.people)
         self.rng = random.Random(config.seed)
         self.counter = 0
+        self.pending: list[tuple[int, list]] = []
+
+    def _examples(self, n: int, count: int) -> list[tuple[list[int], int]]:
+        cfg, examples = self.config, []
+        while len(examples) < count:
+            p = generate_puzzle(n, puzzle_seed(cfg.seed, "pretrain", n, self.counter))
+            self.counter += 1
+            if p.statements not in self.held_out:
+                rng = random.Random(puzzle_seed(cfg.seed, "trace", n, self.counter))
+                examples.append(encode_example(self.tokenizer, p, rng, cfg.trace))
+        return examples
 
     def batch(self, step: int = 0):
         cfg = self.config
-        early = step < cfg.curriculum_steps
-        people = sorted(cfg.people)[:2] if early else cfg.people
-        weights = [cfg.people_weights[cfg.people.index(n)] for n in people]
-        n = self.rng.choices(people, weights)[0]
-        examples = []
-        while len(examples) < self.config.batch_size:
-            p = generate_puzzle(n, puzzle_seed(self.config.seed, "pretrain", n, self.counter))
-            self.counter += 1
-            if p.statements not in self.held_out:
-                examples.append(encode_example(self.tokenizer, p))
+        if not self.pending:
+            early = step < cfg.curriculum_steps
+            people = sorted(cfg.people)[:2] if early else cfg.people
+            weights = [cfg.people_weights[cfg.people.index(n)] for n in people]
+            n = self.rng.choices(people, weights)[0]
+            pool = sorted(self._examples(n, cfg.batch_size * self.BUCKETS), key=lambda e: len(e[0]))
+            batches = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
+            self.rng.shuffle(batches)
+            self.pending = [(n, b) for b in batches]
+        n, examples = self.pending.pop()
         return n, collate(examples, self.tokenizer.pad_token_id)
 
 
@@ -310,7 +340,7 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
                     tokenizer,
                     test,
                     prompt_style=LAB_PROMPT_STYLE,
-                    max_new_tokens=256,
+                    max_new_tokens=config.max_new_tokens,
                     modes=("greedy",),
                     prefix="test",
                 )
@@ -321,7 +351,9 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
         bar.update(1)
     bar.close()
     model.eval()
-    final = evaluate_warm_start(model, tokenizer, config.final_people, config.final_samples, config.final_size)
+    final = evaluate_warm_start(
+        model, tokenizer, config.final_people, config.final_samples, config.final_size, config.max_new_tokens
+    )
     summary = {
         "config": asdict(config),
         "steps_done": step,
@@ -337,7 +369,12 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
 
 
 def evaluate_warm_start(
-    model, tokenizer, people: Sequence[int] = (2, 3, 4, 5, 6), samples: int = 4, size: int | None = None
+    model,
+    tokenizer,
+    people: Sequence[int] = (2, 3, 4, 5, 6),
+    samples: int = 4,
+    size: int | None = None,
+    max_new_tokens: int = 896,
 ) -> dict:
     """Test accuracy of a lab model on the whole test split of each people count: greedy, and ``samples``
     completions per puzzle at temperature 1.0 (keys ``test/{greedy,sample}/acc_{n}ppl``, ``.../format_error_rate``)."""
@@ -345,8 +382,53 @@ def evaluate_warm_start(
 
     test = load_split("test", list(people), limit=size)
     return evaluate(
-        model, tokenizer, test, prompt_style=LAB_PROMPT_STYLE, max_new_tokens=256, samples=samples, prefix="test"
+        model,
+        tokenizer,
+        test,
+        prompt_style=LAB_PROMPT_STYLE,
+        max_new_tokens=max_new_tokens,
+        samples=samples,
+        prefix="test",
     )
+
+
+def rollout_profile(
+    model,
+    tokenizer,
+    people: int = 3,
+    puzzles: int = 16,
+    group_size: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 896,
+    bins: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    seed: int = 0,
+) -> dict:
+    """The token-probability profile of the model's own GRPO-style rollouts (the paper's Fig. 1a): ``puzzles``
+    training puzzles x ``group_size`` samples at ``temperature``; the share of response tokens whose sampling
+    probability exp(old_logp) falls in each bin, with the rollouts' accuracy and mean length.
+
+    Keys: ``share_bin{i}`` (i = 0 is [bins[0], bins[1])), ``tokens``, ``accuracy``, ``len_mean``."""
+    import numpy as np
+    import torch
+
+    from lopti_lab.rollout import sample
+    from lopti_lab.trainer import score_rollout
+
+    chosen = load_split("train", people, limit=puzzles)
+    prompts = [build_prompt(p, LAB_PROMPT_STYLE, tokenizer) for p in chosen]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        rollout = sample(model, tokenizer, prompts, group_size, max_new_tokens=max_new_tokens, temperature=temperature)
+    probs = rollout.old_logp.exp()[rollout.response_mask.bool()].double().numpy()  # (tokens,)
+    counts, _ = np.histogram(probs, bins=np.asarray(bins, dtype=float))
+    rewards = score_rollout(rollout, chosen)
+    return {
+        **{f"share_bin{i}": float(c / max(1, counts.sum())) for i, c in enumerate(counts)},
+        "tokens": int(counts.sum()),
+        "accuracy": float(np.mean([r.total == 3.0 for r in rewards])),
+        "len_mean": float(rollout.lengths.float().mean()),
+        "temperature": temperature,
+    }
 
 
 def save_lab_model(model, tokenizer, out: str | Path, summary: dict) -> Path:

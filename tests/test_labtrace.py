@@ -1,0 +1,141 @@
+"""The lab trace: a search whose every decision is local, with free wording and injected slips (lopti_lab.labtrace)."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from lopti_lab.kk import generate_puzzle, score_response
+from lopti_lab.kk.logic import evaluate
+from lopti_lab.labtrace import (
+    TraceStyle,
+    assignments,
+    audit_trace,
+    lab_trace,
+    lab_trace_with_stats,
+    render_claim,
+)
+
+
+def test_render_claim_by_hand():
+    names = ["Zoey", "Oliver", "Emma"]
+    assert render_claim(("telling-truth", 1), names) == "Oliver knight"
+    assert render_claim(("not", ("lying", 2)), names) == "not Emma knave"
+    assert render_claim(("and", ("lying", 1), ("telling-truth", 2)), names) == "Oliver knave and Emma knight"
+    assert render_claim(("or", ("lying", 0), ("lying", 1)), names) == "Zoey knave or Oliver knave"
+    assert render_claim(("->", ("lying", 0), ("telling-truth", 1)), names) == "if Zoey knave then Oliver knight"
+    assert render_claim(("<=>", ("lying", 0), ("lying", 2)), names) == "Zoey knave iff Emma knave"
+
+
+def test_search_order_counts_in_binary_with_knave_as_one():
+    assert assignments(2) == [(True, True), (True, False), (False, True), (False, False)]
+    order = assignments(3)
+    assert len(set(order)) == 8 and order[0] == (True,) * 3 and order[-1] == (False,) * 3
+    assert order[3] == (True, False, False)  # 011 in binary
+
+
+def test_a_two_person_trace_by_hand():
+    """Without slips a 2-person trace tries (knight, knight), (knight, knave), (knave, knight), (knave, knave) in that
+    order and stops at the puzzle's solution: as many lines as the solution's place in that order, then the answer."""
+    for seed in range(40):
+        p = generate_puzzle(2, seed)
+        text, stats = lab_trace_with_stats(p, random.Random(seed), TraceStyle(slip=0.0))
+        first = assignments(2).index(tuple(p.solution))
+        assert stats.lines == first + 1 and stats.correct
+        assert text.count(" .") >= stats.lines + stats.checks  # every line and check ends with " ."
+        assert text.endswith("</think><answer>" + p.solution_text_format + "</answer>")
+
+
+@pytest.mark.parametrize("people", [2, 3, 4, 5])
+def test_without_slips_every_trace_is_right_and_every_decision_checks_out(people):
+    style = TraceStyle(slip=0.0)
+    for seed in range(60):
+        p = generate_puzzle(people, 1000 + seed)
+        text = lab_trace(p, random.Random(seed), style)
+        assert score_response(text, p).total == 3
+        audit = audit_trace(text, p, style)
+        assert audit.parsed and audit.decisions > 0
+        assert (audit.slips, audit.copy_errors, audit.logic_errors) == (0, 0, 0)
+
+
+def test_each_check_restates_the_speakers_statement_and_its_true_values():
+    """Read the first line's checks by hand: the restated claim is the quiz's, each leaf value is its truth under the
+    all-knights line, and the verdict compares the statement's value with the speaker being a knight."""
+    style = TraceStyle(slip=0.0, swap_symmetric=False, say_that=0.0)
+    p = generate_puzzle(3, 7)
+    text = lab_trace(p, random.Random(0), style)
+    sentences = [s.split() for s in text.split(" .")]
+    first = next(i for i, w in enumerate(sentences) if w[0] in style.line_verbs)
+    knights = (True, True, True)
+    for words in sentences[first + 1 :]:
+        if words[0] not in p.names:
+            break
+        speaker = p.names.index(words[0])
+        statement = p.statements[speaker]
+        value = evaluate(statement, knights)
+        assert words[-4] == ("true" if value else "false")
+        assert words[-1] in (style.passes if value else style.fails)
+        claim = [w for w in words[2:-5] if w not in ("true", "false")]
+        assert " ".join(claim) == render_claim(statement, p.names)
+        if not value:
+            break
+
+
+def test_slips_happen_at_the_rate_asked_and_the_search_goes_on_from_them():
+    """slip = 5%: the share of wrong truth values is 5% within 4 standard errors; a trace with slips can still end
+    right (a slip on a line that fails anyway) or wrong, and `correct` says which, as the reward does."""
+    style = TraceStyle(slip=0.05)
+    slips = decisions = wrong = 0
+    for seed in range(300):
+        p = generate_puzzle(3, 5000 + seed)
+        text, stats = lab_trace_with_stats(p, random.Random(seed), style)
+        audit = audit_trace(text, p, style)
+        assert audit.slips == stats.slips and audit.copy_errors == 0 and audit.logic_errors == 0
+        assert stats.correct == (score_response(text, p).total == 3)
+        slips, decisions, wrong = slips + audit.slips, decisions + audit.decisions, wrong + (not stats.correct)
+    rate = slips / decisions
+    assert abs(rate - 0.05) < 4 * (0.05 * 0.95 / decisions) ** 0.5
+    assert 0 < wrong < 300
+
+
+def test_wording_is_drawn_evenly_from_each_set():
+    style = TraceStyle()
+    counts = Counter()
+    for seed in range(200):
+        p = generate_puzzle(3, seed)
+        counts.update(w for w in lab_trace(p, random.Random(seed), style).split() if w in style.line_verbs)
+    assert set(counts) == set(style.line_verbs)
+    expected = sum(counts.values()) / len(style.line_verbs)
+    chi2 = sum((c - expected) ** 2 / expected for c in counts.values())
+    assert chi2 < 20.5  # chi-square with 5 degrees of freedom: p = 0.001
+
+
+def test_the_audit_finds_a_planted_slip_and_a_broken_copy():
+    """Flip the first truth value of a clean trace (transcriptions hold none, so it is a check's): one slip, or two
+    when the statement's value no longer follows from its leaves. Restate a claim wrongly: a copy error."""
+    style = TraceStyle(slip=0.0)
+    p = generate_puzzle(3, 11)
+    text = lab_trace(p, random.Random(1), style)
+    words = text.split(" ")
+    k = next(i for i, w in enumerate(words) if w in ("true", "false"))
+    words[k] = "false" if words[k] == "true" else "true"
+    flipped = audit_trace(" ".join(words), p, style)
+    assert 1 <= flipped.slips <= 2 and flipped.copy_errors == 0
+    # the word just before that value is the leaf's role: swap it, and the claim is no longer the speaker's
+    words = text.split(" ")
+    words[k - 1] = "knave" if words[k - 1] == "knight" else "knight"
+    miscopied = audit_trace(" ".join(words), p, style)
+    assert miscopied.parsed and miscopied.copy_errors == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("line_verbs", ()), ("say_verbs", ("says", "says")), ("connectives", ("so then",))]
+)
+def test_bad_styles_are_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        TraceStyle(**{field: value})
+
+
+def test_bad_slip_is_named():
+    with pytest.raises(ValueError, match="slip"):
+        TraceStyle(slip=0.5)
