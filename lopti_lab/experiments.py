@@ -325,7 +325,7 @@ def run_demo(config: DemoConfig) -> Path:
     for seed in range(config.seeds):
         for method in config.methods:
             run_dir = out / "runs" / f"{slug(method)}-seed{seed}"
-            if run_dir.exists() and (run_dir / "metrics.jsonl").is_file() and _finished(run_dir, config.steps):
+            if _finished(run_dir, config.steps):
                 run_dirs[(method, seed)] = run_dir  # an earlier, complete run of the same report: keep it
                 continue
             train(config.train_config(method, seed, run_dir), resume=runs.RunFolder(run_dir).exists())
@@ -381,8 +381,10 @@ def warm_start_eval(config: DemoConfig, model, tokenizer) -> dict[str, float]:
 
 
 def _finished(run_dir: Path, steps: int) -> bool:
-    records = runs.load_metrics(run_dir)
-    return bool(records) and records[-1]["step"] >= steps
+    """Whether a run folder holds a complete run: its final checkpoint is committed (runs.py: its records are then
+    on disk too). A run killed before that resumes (train's resume=True) and redoes what was not saved."""
+    checkpoint = runs.latest_checkpoint(run_dir)
+    return checkpoint is not None and checkpoint.name == f"step_{steps}"
 
 
 def accuracy_table(config: DemoConfig, run_dirs: dict, warm: dict, mode: str = "sample") -> pd.DataFrame:

@@ -359,11 +359,11 @@ def check_resume(path: str | Path) -> ResumePoint:
         chosen = max((k for k in _checkpoint_steps(path) if k <= last), default=None)
         start = f"step_{chosen}" if chosen is not None else "the start"
         notes.append(f"checkpoint step_{latest} is ahead of {METRICS} (last record: step {last}): resuming from "
-                     f"{start}, steps {(chosen or 0) + 1}-{latest} are redone")  # fmt: skip
+                     f"{start}")  # fmt: skip
     step = chosen or 0
     folder = None if chosen is None else _verified(path / CHECKPOINTS / f"step_{chosen}", chosen)
     if last > step:
-        notes.append(f"records of steps {step + 1}-{last} come after the checkpoint: dropped, the steps are redone")
+        notes.append(f"the records of {_span(step + 1, last)} come after the checkpoint: dropped, and redone")
     kept = b"".join(line.raw + b"\n" for line in lines[:step])
     return ResumePoint(step, folder, records[:step], config, notes, kept)
 
@@ -499,6 +499,11 @@ def _record(file: Path, line: _Line) -> dict:
     if record is None:
         raise RunFolderError(f"{file} line {line.number}: {problem}")
     return record
+
+
+def _span(first: int, last: int) -> str:
+    """'step 3' or 'steps 3-5'."""
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def _torch_bytes(obj) -> bytes:

@@ -254,7 +254,7 @@ def _validate(c: TrainConfig) -> None:
     except ValueError as err:
         raise ValueError(f"TrainConfig.{err}") from None
     check.integer("lora_r", low=1, optional=True)
-    check.real("lora_alpha", low=0, low_open=True)
+    check.integer("lora_alpha", low=1)
     check.real("lora_dropout", 0.0, 1.0, high_open=True)
     check.items("lora_targets", lambda t: isinstance(t, str) and t != "", "module names", distinct=True)
     check.choice("dtype", ("auto", "float32", "bfloat16", "float16"))

@@ -21,6 +21,7 @@ be true: contradiction. So ``solve(statements, 2) == []``.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -70,7 +71,7 @@ def parse_statements(text: str | Sequence, n_people: int | None = None) -> tuple
         try:
             value = ast.literal_eval(text.strip())
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as err:
-            problem = f"{type(err).__name__}: {err}"
+            problem = f"{type(err).__name__}: " + re.sub(r" object at 0x[0-9a-f]+", "", str(err))  # no addresses
             raise ValueError(f"statements: not a Python literal ({problem}): {text[:120]!r}") from None
     else:
         value = text
