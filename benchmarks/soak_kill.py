@@ -1,18 +1,21 @@
 """Kill-anywhere soak: SIGKILL `lopti-lab train` and `lopti-lab demo --quick` at random moments, resume after each
 kill, and compare what the interrupted run leaves with a straight run of the same seed.
 
-    .venv/bin/python benchmarks/soak_kill.py --kills 30 --demo-kills 6 --json soak.json   # the recorded run
-    .venv/bin/python benchmarks/soak_kill.py --kills 3 --demo-kills 0 --steps 6 --no-eval  # tests/test_soak.py
+    .venv/bin/python benchmarks/soak_kill.py --kills 30 --demo-kills 5 --json soak.json   # the recorded run
+    .venv/bin/python benchmarks/soak_kill.py --kills 3 --demo-kills 0 --steps 4 --no-eval   # tests/test_soak.py
 
 Each kill is one of four kinds, drawn at random:
 
-    outside      the parent's SIGKILL after a random delay, uniform over the child's expected remaining life
-                 (startup, rollouts, updates, evaluation and I/O alike); --slow-io widens the I/O windows
+    outside      the parent's SIGKILL after a random delay (startup, rollouts, updates, evaluation and I/O alike);
+                 --slow-io widens the I/O windows
     append       inside the metrics append of a step still to come, torn at a random byte
     checkpoint   inside one of a checkpoint's writes or renames (weights, optimizer, RNG, state.json, the folder
                  rename, the `latest` pointer), at a random byte
     repair       inside a resume's cut of metrics.jsonl back to its checkpoint (when the folder needs one)
 
+Kill k of N aims at the k/N point of the straight run's durable calls (``paced``): a hook kill picks a call of
+its kind between the resume point and there, an outside kill a delay uniform over the startup plus the straight
+run's time for that stretch (killing at once if the child gets past it), so the kills spread over the whole run.
 The hook kills run through benchmarks/kill_shim.py, which wraps lopti_lab.durable (every durable byte of a run
 folder). After each kill the parent checks the folder (runs.check_resume) and continues with
 `lopti-lab train --run-dir run --resume` (plain `lopti-lab train` if the kill came before config.json existed: a
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -83,11 +87,25 @@ class Child:
         self.log.close()
         return rc
 
-    def kill(self) -> None:
+    def wait_or_kill(self, delay: float, guard: dict) -> int:
+        """SIGKILL after ``delay`` seconds, or earlier, when the trace shows the ``guard`` call beginning (the
+        straight run's last record: a run must not finish before its kill); the exit code if it ends first."""
+        deadline = self.started + delay
+        while time.monotonic() < deadline:
+            rc = self.process.poll()
+            if rc is not None:
+                return self.wait()
+            if any(what == "begin" and event == guard for _, what, event in self.events()):
+                break
+            time.sleep(0.02)
+        return self.kill()
+
+    def kill(self) -> int:
         self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
+        rc = self.process.wait()  # not -SIGKILL if it exited just before the signal
         self.seconds = time.monotonic() - self.started
         self.log.close()
+        return rc
 
     def events(self) -> list[tuple[float, str, dict]]:
         if not self.trace.is_file():
@@ -131,20 +149,26 @@ def folder_state(folder: Path) -> dict:
     return {"run": folder.name, "exists": True, "resume": point.step, "needs_repair": needs}
 
 
-def recurring(events: list[dict], states: dict[str, dict], finished: set[str]) -> list[dict]:
-    """The straight run's durable calls that the next child will make again: those of unfinished runs whose step
-    lies after the run's resume point (config writes, with no step, recur at every start)."""
+def recurring(events: list[dict], states: dict[str, dict], finished: set[str]) -> list[int]:
+    """Indexes of the straight run's durable calls that the next child makes again: those of unfinished runs whose
+    step lies after the run's resume point (config writes, with no step, recur at every start)."""
     out = []
-    for event in events:
-        state = states.get(event["run"], {"resume": 0})
-        if event["run"] in finished:
-            continue
-        if event["step"] is None or event["step"] > state["resume"]:
-            out.append(event)
+    for i, event in enumerate(events):
+        resume = states.get(event["run"], {"resume": 0})["resume"]
+        if event["run"] not in finished and (event["step"] is None or event["step"] > resume):
+            out.append(i)
     return out
 
 
-def choose_target(kind: str, candidates: list[dict], states: dict[str, dict], rng: random.Random) -> dict | None:
+def paced(indexes: list[int], aim: int) -> list[int]:
+    """The recurring calls up to call number ``aim`` of the straight run (at least the next one): kill k of N aims
+    at the k/N point of the run, so the kills spread over it instead of piling up at its end."""
+    return [i for i in indexes if i <= max(aim, indexes[0])]
+
+
+def choose_target(
+    kind: str, candidates: list[dict], states: dict[str, dict], rng: random.Random, last_commit: dict
+) -> dict | None:
     """A kill target for a hook kind, or None when no call of that kind is still to come."""
     if kind == "repair":
         needy = [name for name, s in states.items() if s["needs_repair"]]
@@ -155,7 +179,9 @@ def choose_target(kind: str, candidates: list[dict], states: dict[str, dict], rn
         pool = [e for e in candidates if (e["op"], e["name"]) in CHECKPOINT_EVENTS]
     if not pool:
         return None
-    return {**rng.choice(pool), "cut": round(rng.random(), 3)}
+    event = rng.choice(pool)
+    cut = rng.random() * (0.5 if event == last_commit else 1.0)  # a kill after the last commit would be no kill
+    return {**event, "cut": round(cut, 3)}
 
 
 # --- the soak ---------------------------------------------------------------------------------------------------------
@@ -189,26 +215,31 @@ def soak(
     rng.shuffle(schedule)  # every kind about equally often, in a random order
     total, timeline = straight_run(workdir / "straight", command, slow)
     straight_events = [event for _, event in timeline]
+    last_commit = [e for e in straight_events if (e["op"], e["name"]) == ("replace", "latest")][-1]
+    last_record = [e for e in straight_events if e["op"] == "append"][-1]
+    startup = min(t for t, e in timeline if e["op"] == "append")  # to the first record: imports, loading, step 1
     root = workdir / "killed"
     root.mkdir()
     log, n = [], 0
     while len(log) < kills:
         states = {f.name: folder_state(f) for f in run_folders(root, demo)}
         finished = {name for name, s in states.items() if s["exists"] and s["resume"] >= finished_step}
-        candidates = recurring(straight_events, states, finished)
+        upcoming = recurring(straight_events, states, finished)
+        if not upcoming:
+            break  # finished: nothing left to interrupt
+        window = paced(upcoming, math.ceil((len(log) + 1) * len(straight_events) / kills) - 1)
+        candidates = [straight_events[i] for i in window]
         kill_kind = schedule[len(log)]
-        target = None if kill_kind == "outside" else choose_target(kill_kind, candidates, states, rng)
+        target = None if kill_kind == "outside" else choose_target(kill_kind, candidates, states, rng, last_commit)
         if kill_kind != "outside" and target is None:
-            kill_kind, target = "append", choose_target("append", candidates, states, rng)
+            target = choose_target("append", candidates, states, rng, last_commit)
+            kill_kind = "append" if target else "outside"
         n += 1
         child = Child(root, _resume_command(command, root, demo), n, slow, target)
-        if kill_kind == "outside":
-            first = min((t for t, e in timeline if e in candidates), default=0.0)
-            delay = rng.uniform(0.0, 0.95 * max(total - first, 1.0))
-            rc = child.wait(delay)
-            if rc is None:
-                child.kill()
-                rc = -signal.SIGKILL
+        if kill_kind == "outside":  # uniform over startup and the straight run's time for the window's calls
+            span = timeline[window[-1]][0] - timeline[window[0]][0]
+            later = [straight_events[i] for i in upcoming if i > window[-1]]
+            rc = child.wait_or_kill(rng.uniform(0.0, startup + span), later[0] if later else last_record)
         else:
             rc = child.wait()
         if rc != -signal.SIGKILL:
@@ -297,7 +328,9 @@ def _report_bytes(file: Path) -> bytes:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=30, help="SIGKILLs of `lopti-lab train` (default 30)")
-    parser.add_argument("--demo-kills", type=int, default=6, help="SIGKILLs of `lopti-lab demo --quick` (0: skip)")
+    parser.add_argument(
+        "--demo-kills", type=int, default=5, help="SIGKILLs of `lopti-lab demo --quick` (0: skip; default 5)"
+    )
     parser.add_argument("--steps", type=int, default=12, help="RL steps of the train run (default 12)")
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--no-eval", action="store_true", help="no evaluation or probes in the train run")
