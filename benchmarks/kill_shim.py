@@ -4,12 +4,13 @@ optionally slowed, and optionally killed from inside one chosen write.
     python benchmarks/kill_shim.py PLAN.json -- train --run-dir runs/x --resume
 
 PLAN.json: {"trace": "trace.log", "slow": 0.02, "target": {"op": "append", "name": "metrics.jsonl", "step": 3,
-"run": "x", "cut": 0.4}} (target optional). Every call of lopti_lab.durable.write / append / replace (all the
-durable bytes a run folder gets, runs.py) is logged to the trace as a "begin" line and an "end" line, so the parent
-can tell where an outside SIGKILL landed. ``slow`` sleeps that many seconds in the middle of each call (half the
-bytes written, then the rest), widening those windows for random outside kills. When a call matches the target, the
-shim writes the first ``cut`` share of its bytes (a write or append torn there; for a rename: before it if cut < 0.5,
-after it otherwise), then SIGKILLs its own process: a power cut at that byte, as far as the run folder can tell.
+"run": "x", "cut": 0.4}, "stall": {...}} (target and stall optional). Every call of lopti_lab.durable.write /
+append / replace (all the durable bytes a run folder gets, runs.py) is logged to the trace as a "begin" line and an
+"end" line, so the parent can tell where an outside SIGKILL landed. ``slow`` sleeps that many seconds in the middle
+of each call (half the bytes written, then the rest), widening those windows for random outside kills. When a call
+matches the target, the shim writes the first ``cut`` share of its bytes (a write or append torn there; for a
+rename: before it if cut < 0.5, after it otherwise), then SIGKILLs its own process: a power cut at that byte, as far
+as the run folder can tell. A rename matching ``stall`` waits (for the parent's outside kill) instead of happening.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Shim:
 
     def __init__(self, plan: dict):
         self.trace = os.open(plan["trace"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.slow, self.target = float(plan.get("slow", 0.0)), plan.get("target")
+        self.slow, self.target, self.stall = float(plan.get("slow", 0.0)), plan.get("target"), plan.get("stall")
         self.t0 = time.monotonic()
         self.real = {"write": durable.write, "append": durable.append, "replace": durable.replace}
 
@@ -92,6 +93,9 @@ class Shim:
         pointer = Path(dst).name == "latest"
         event = describe("replace", dst, Path(src).read_bytes() if pointer else None)
         self.log("begin", event)
+        if matches(event, self.stall):  # wait here for the parent's SIGKILL: the run must not finish before it
+            self.log("stall", event)
+            time.sleep(3600)
         if matches(event, self.target) and float(self.target.get("cut", 0.0)) < 0.5:
             self.die(event)
         self.real["replace"](src, dst)

@@ -67,10 +67,12 @@ def train_command(steps: int, save_every: int, seed: int, evaluate: bool) -> lis
 class Child:
     """One `lopti-lab` process under the shim, in folder ``cwd``, tracing into ``cwd/trace-{n}.log``."""
 
-    def __init__(self, cwd: Path, command: list[str], n: int, slow: float, target: dict | None = None):
+    def __init__(
+        self, cwd: Path, command: list[str], n: int, slow: float, target: dict | None = None, stall: dict | None = None
+    ):
         self.trace = cwd / f"trace-{n}.log"
         plan = cwd / f"plan-{n}.json"
-        plan.write_text(json.dumps({"trace": str(self.trace), "slow": slow, "target": target}))
+        plan.write_text(json.dumps({"trace": str(self.trace), "slow": slow, "target": target, "stall": stall}))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.log = (cwd / f"child-{n}.log").open("w")
         self.started = time.monotonic()
@@ -235,7 +237,8 @@ def soak(
             target = choose_target("append", candidates, states, rng, last_commit)
             kill_kind = "append" if target else "outside"
         n += 1
-        child = Child(root, _resume_command(command, root, demo), n, slow, target)
+        stall = last_commit if kill_kind == "outside" else None  # an outside kill always comes before the end
+        child = Child(root, _resume_command(command, root, demo), n, slow, target, stall)
         if kill_kind == "outside":  # uniform over startup and the straight run's time for the window's calls
             span = timeline[window[-1]][0] - timeline[window[0]][0]
             later = [straight_events[i] for i in upcoming if i > window[-1]]
