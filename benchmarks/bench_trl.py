@@ -1,13 +1,14 @@
 """Stock TRL GRPO vs LoptiGRPOTrainer with AR / Lopti / AR+Lopti, and our own trainer beside them, in one run (CPU).
 
-    .venv/bin/python benchmarks/bench_trl.py                          # ~10 min on one CPU thread
-    .venv/bin/python benchmarks/bench_trl.py --rounds 1 --steps 1     # ~4 min
+    .venv/bin/python benchmarks/bench_trl.py                                        # 18 min on a loaded 2-core machine
+    .venv/bin/python benchmarks/bench_trl.py --rounds 1 --steps 1 --new-tokens 16   # 8 min
 
 Every variant trains the same random Qwen2 (bench_trainer.make_model: hidden 128, 4 layers, loaded by path) with
-LoRA r 16 on the same K&K prompts (base style), B = 4 prompts x G 8, micro-batches of 8, temperature 0.7, clip 0.2,
-no KL, no evaluation, in two layouts: "1 mb" (one optimizer step per RL step: TRL's aligned path, where pi_old is the
-update's own forward) and "2 mb" (the paper's two minibatches per stage, where every variant needs the pi_old
-forward). A random model never stops early, so every row generates the full length: equal work.
+LoRA r 16 on the same K&K prompts (base style), B = 4 prompts x G 8, 32 new tokens, micro-batches of 8,
+temperature 0.7, clip 0.2, no KL, no evaluation, in two layouts: "1 mb" (one optimizer step per RL step: TRL's
+aligned path, where pi_old is the update's own forward) and "2 mb" (the paper's two minibatches per stage, where
+every variant needs the pi_old forward). A random model rarely emits EOS (one token of 324), so rows run to about
+the full length: nearly equal work.
 
 Figures are CPU seconds of this process per RL step (``time.process_time``, one torch thread; robust to other jobs)
 with wall seconds beside them, medians over the measured RL steps of every round (one warm-up RL step per run),
@@ -46,38 +47,46 @@ METHODS = {
 }
 
 
+# GRPOConfig field -> the TrainConfig field it equals
+SAME_AS = {
+    "num_generations": "group_size",
+    "max_completion_length": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "beta": "kl_coef",
+    "epsilon": "clip_low",
+    "epsilon_high": "clip_high",
+    "learning_rate": "lr",
+    "weight_decay": "weight_decay",
+    "max_grad_norm": "grad_clip",
+    "seed": "seed",
+}
+
+
 def trl_settings(cfg: TrainConfig, out: Path, max_steps: int) -> dict:
-    """GRPOConfig fields equal to ``cfg`` (one process): S micro-steps per generation, GA of them per optimizer step."""
+    """GRPOConfig fields equal to ``cfg`` (one process): S micro-steps per generation, GA of them per optimizer step,
+    TRL's token mean (dapo), no top-k, a constant lr, no logging or saving beyond the step records."""
     micro = cfg.micro_batch_size
-    return dict(
-        output_dir=str(out),
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        max_steps=max_steps,
-        per_device_train_batch_size=micro,
-        steps_per_generation=cfg.batch_size // micro,
-        gradient_accumulation_steps=cfg.minibatch_size // micro,
-        num_generations=cfg.group_size,
-        max_completion_length=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=1.0,
-        top_k=0,
-        beta=0.0,
-        epsilon=cfg.clip_low,
-        epsilon_high=cfg.clip_high,
-        loss_type="dapo",
-        learning_rate=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.grad_clip,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=cfg.seed,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    layout = {
+        "per_device_train_batch_size": micro,
+        "steps_per_generation": cfg.batch_size // micro,
+        "gradient_accumulation_steps": cfg.minibatch_size // micro,
+    }
+    quiet = {"logging_steps": 1, "save_strategy": "no", "report_to": [], "disable_tqdm": True}
+    return {
+        "output_dir": str(out),
+        "use_cpu": True,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "max_steps": max_steps,
+        "top_k": 0,
+        "loss_type": "dapo",
+        "lr_scheduler_type": "constant",
+        "dataloader_num_workers": 0,
+        **layout,
+        **quiet,
+        **{trl_field: getattr(cfg, ours) for trl_field, ours in SAME_AS.items()},
+    }
 
 
 def clocked(fn, totals: dict, key: str, when=lambda: True):
@@ -155,7 +164,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--people", default="3")
     args = parser.parse_args()
     torch.set_num_threads(1)

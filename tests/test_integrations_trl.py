@@ -284,12 +284,14 @@ def test_lopti_takes_twice_the_optimizer_steps_of_grpo(peaky_model, dataset, tmp
     assert runs["lopti"] == 2 * runs["grpo"]
 
 
-def test_stage_gradients_sum_to_the_one_stage_gradient_at_ratio_one(peaky_model, dataset, tmp_path):
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo"])
+def test_stage_gradients_sum_to_the_one_stage_gradient_at_ratio_one(peaky_model, dataset, tmp_path, loss_type):
     """With the weights still the rollout's, the low and high stages partition the tokens of every term (policy and
     KL) and share one denominator, so their losses and gradients add up to the single-stage AR loss's."""
     trainer = make(
-        LoptiGRPOTrainer, LoptiGRPOConfig, peaky_model, dataset, tmp_path, ar_alpha=0.3, lopti_eta=ETA, beta=0.1
-    )
+        LoptiGRPOTrainer, LoptiGRPOConfig, peaky_model, dataset, tmp_path, ar_alpha=0.3, lopti_eta=ETA, beta=0.1,
+        loss_type=loss_type,
+    )  # fmt: skip
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # move the policy off the reference (loaded at construction), so the KL term is not 0
         for p in trainer.model.parameters():

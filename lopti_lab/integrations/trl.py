@@ -28,6 +28,9 @@ generation, still counts every response token: the paper's token mean (``policy_
 trainer). ``loss_type="dapo"`` (TRL's default) is that token mean: sum over the optimizer step's tokens / their
 count, whatever the accumulation or the number of processes.
 
+TRL's KL is not quite the paper's: set ``use_bias_correction_kl=False`` (TRL's default multiplies the k3 term by the
+importance ratio); TRL's k3 is not clamped, where verl's ``low_var_kl`` and ``objective.policy_loss`` clamp it at 10.
+
 Shape legend: B rows of a process's slice (prompts x G / processes / steps), T completion tokens.
 """
 
