@@ -24,9 +24,9 @@ hooks and calls ``lopti_lab.objective`` for the math (PAPER.md §3-4):
 
 The stage mask goes in as TRL's ``tool_mask`` (a loss-only mask; the attention mask is untouched), so the policy
 term, the KL term and the clip metrics of a stage cover only its tokens, while DAPO's denominator, fixed at
-generation, still counts every response token: the paper's token mean (``policy_loss(..., denom=...)`` in our
-trainer). ``loss_type="dapo"`` (TRL's default) is that token mean: sum over the optimizer step's tokens / their
-count, whatever the accumulation or the number of processes.
+generation, still counts every response token, as ``policy_loss(..., denom=...)`` does in our trainer (PAPER.md §4).
+``loss_type="dapo"`` (TRL's default) is the token mean: sum over the optimizer step's tokens / their count, whatever
+the accumulation or the number of processes.
 
 TRL's KL is not quite the paper's: set ``use_bias_correction_kl=False`` (TRL's default multiplies the k3 term by the
 importance ratio); TRL's k3 is not clamped, where verl's ``low_var_kl`` and ``objective.policy_loss`` clamp it at 10.
@@ -91,7 +91,7 @@ class LoptiGRPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "Divide each optimizer step's DAPO loss by that step's own response-token count (all processes), "
-            "as the paper's token mean does; False keeps TRL's generation-batch average. The same when "
+            "as lopti_lab's trainer does; False keeps TRL's generation-batch average. The same when "
             "steps_per_generation == gradient_accumulation_steps (TRL's default layout)."
         },
     )

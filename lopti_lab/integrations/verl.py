@@ -28,9 +28,9 @@ Where AR and Lopti go (PAPER.md §3-4; the paper's code is a fork of verl 0.1, g
 3. Lopti: compute ``objective.lopti_stages(old_log_probs, response_mask, eta)`` once; call the actor update
    (``update_actor`` -> ``DataParallelPPOActor.update_policy``) twice on the same batch, first with the advantages
    zeroed outside the low mask, then outside the high mask, without recomputing ``old_log_probs`` in between. Mask
-   the KL (and entropy) terms by the stage mask too, and keep the token-mean denominator at the minibatch's full
-   response-token count (the stage mask must not reach the loss aggregation's mask argument). The paper's fork does
-   this with a ``kl_entropy_mask`` batch key multiplied into the KL and entropy terms.
+   the KL (and entropy) terms by the stage mask too, and keep the token-mean denominator counting every response
+   token (the stage mask must not reach the loss aggregation's mask argument). The paper's fork does this with a
+   ``kl_entropy_mask`` batch key multiplied into the KL and entropy terms.
 """
 
 from __future__ import annotations
