@@ -12,9 +12,18 @@ QUICK = False
 
 import sys
 
-if "google.colab" in sys.modules:  # on Colab: install lopti_lab (one line) and turn on the widget manager
-    %pip install -q "lopti-lab @ git+https://github.com/lopti-lab/lopti_lab.git"
+if "google.colab" in sys.modules:  # on Colab: install lopti_lab's wheel and turn on the widget manager
+    from pathlib import Path
+
     from google.colab import output
+
+    # lopti_lab is not on PyPI: upload the wheel that `pip wheel --no-deps -w dist .` builds in a checkout to Colab's
+    # Files panel (README, "Colab"), or, where you host a copy of the repository, %pip install "lopti-lab @ git+<URL>"
+    wheels = sorted(Path.cwd().glob("lopti_lab-*.whl"))
+    if not wheels:
+        raise FileNotFoundError(f"no lopti_lab-*.whl in {Path.cwd()}: upload it first (see the comment above)")
+    wheel = wheels[-1]
+    %pip install -q {wheel}
 
     output.enable_custom_widget_manager()
 
