@@ -7,6 +7,9 @@
 # sampled with low probability send much larger gradients than confident ones**, so a handful of rare tokens decide
 # the direction of the update and the many high-probability tokens are barely (or wrongly) moved. This notebook shows
 # why, first with one softmax, then with a small policy trained four ways.
+#
+# **Run time** of a full run (QUICK = False): about 10 s on a laptop CPU (measured: 8 s of one core); on one GPU: not
+# measured.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).

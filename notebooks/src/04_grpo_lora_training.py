@@ -25,6 +25,11 @@
 #
 # Every few steps the trainer also measures, per probability bin, the share of the gradient (`grad/share_bin*`) and
 # how the update moved the tokens' probabilities (`shift/correct_pos_bin*`).
+#
+# **Run time** of a full run (QUICK = False): the cells take about 5 s on a laptop CPU (measured: 3.5 s of one core);
+# training starts when you press Run: the panel's default 20 steps, with evaluations at steps 12 and 20, took 9.8 min
+# of one core (36 min wall on the shared machine, load average about 7); on one GPU with Qwen2.5-1.5B-Instruct: not
+# measured.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).

@@ -4,6 +4,10 @@
 # Pick runs (from notebook 04, `lopti-lab train` or `lopti-lab demo`) and compare how they learned: reward and
 # accuracy over steps, final test accuracy by people count in the paper's layout, how much of the gradient each
 # probability bin carried, and whether the high-probability tokens moved the way their advantage asked.
+#
+# **Run time** of a full run (QUICK = False): with runs already there (from notebook 04 or `lopti-lab demo`), about 5
+# s on a laptop CPU (measured: 4.8 s of one core, one run); with none, a cell first runs the demo, which took
+# 14 min on this project's 2-core machine (README, "The demo"); on one GPU: not measured.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
