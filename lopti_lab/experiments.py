@@ -29,6 +29,7 @@ from lopti_lab.checks import FieldCheck, is_int, rename_owner
 from lopti_lab.kk import Puzzle, build_prompt, load_split
 from lopti_lab.objective import group_advantages
 from lopti_lab.probes import probability_shift
+from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.rollout import Rollout, response_logprobs, sample
 from lopti_lab.theory import DEFAULT_BINS
 from lopti_lab.trainer import TrainConfig, advantages_and_stages, evaluate, score_rollout, train, update_policy
@@ -141,6 +142,9 @@ def counterfactual(
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
     token_advantages = batch.advantages[:, None].expand_as(rollout.response_mask)  # (B, T)
+    # the moves are measured between float64 forwards (probability_shift): a float32 probability near 1 hides them
+    measure = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, batch.temperature)
+    before = float64_logprobs(model, *measure)
     shifts, updates = [], []
     try:
         for name, overrides in methods.items():
@@ -152,11 +156,8 @@ def counterfactual(
             )
             weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, cfg)
             stats = update_policy(model, opt, rollout, weighted, stages, cfg)
-            with torch.no_grad():
-                new_logp, _ = response_logprobs(
-                    model, rollout.input_ids, rollout.attention_mask, rollout.response_mask, batch.temperature
-                )
-            shift = probability_shift(rollout.old_logp, new_logp, token_advantages, rollout.response_mask, bins)
+            after = float64_logprobs(model, *measure)
+            shift = probability_shift(before, after, token_advantages, rollout.response_mask, bins)
             shifts.append((name, shift))
             updates.append(
                 {"method": name, "optimizer_steps": stats["update/optimizer_steps"], "grad_norm": stats["grad/norm"]}

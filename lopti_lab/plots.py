@@ -22,6 +22,34 @@ def _require(frame: pd.DataFrame, name: str, columns: Sequence[str]) -> None:
         raise ValueError(f"{name} lacks columns {missing}")
 
 
+def _pool_shift(cells: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    """Pool `shift_summary` cells over everything but ``keys``, weighting by token counts: the correct ratio among
+    the tokens that moved (sum of correct movers / sum of movers) and the unmoved share (1 - movers / tokens).
+    Cells without an ``n_moved`` column (older runs) count every token as moved."""
+    cells = cells.copy()
+    if "n_moved" not in cells.columns:
+        cells["n_moved"] = cells["n_tokens"]
+    cells["n_correct"] = cells["correct_ratio"].fillna(0) * cells["n_moved"]
+    pooled = cells.groupby(list(keys), sort=False)[["n_correct", "n_moved", "n_tokens"]].sum().reset_index()
+    pooled["correct_ratio"] = pooled["n_correct"] / pooled["n_moved"].where(pooled["n_moved"] > 0)
+    pooled["unmoved_share"] = 1 - pooled["n_moved"] / pooled["n_tokens"].where(pooled["n_tokens"] > 0)
+    return pooled
+
+
+def _unmoved_bars(ax, pooled: pd.DataFrame, positions: dict, methods: list) -> None:
+    """The unmoved share of each (method, bin) as light bars on a twin axis, beside the correct-ratio lines."""
+    twin = ax.twinx()
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        rows = pooled[pooled["method"] == method]
+        xs = [positions[b] - 0.4 + width * (i + 0.5) for b in rows["bin"]]
+        twin.bar(xs, rows["unmoved_share"].fillna(0), width=width, color=f"C{i}", alpha=0.18, zorder=0)
+    twin.set_ylim(0, 1)
+    twin.set_ylabel("share that did not move (bars)", color="0.4")
+    ax.set_zorder(twin.get_zorder() + 1)
+    ax.patch.set_visible(False)
+
+
 def _bin_axis(frame: pd.DataFrame) -> tuple[list[int], list[str]]:
     """Bins in order with their labels ("[0, 0.25)", ...), as the tables carry them."""
     pairs = frame[["bin", "label"]].drop_duplicates().sort_values("bin")
@@ -126,9 +154,10 @@ def fig2(
     (a) needs `tokens` with columns prob and grad_norm (`TokenStats.to_frame()`, `ToyResult.tokens`) and the
     vocabulary size: a scatter of ||e_y - pi|| against pi (at most `max_points`, sampled with `seed`) between the bounds
     sqrt(N/(N-1)) (1 - p) and sqrt(2) (1 - p). (b) needs `shift`, a `shift_summary` table (bin, label, sign, n_tokens,
-    correct_ratio) with a `method` column when there are several: cells repeated over other columns (steps, batches)
-    are pooled, weighted by their token counts; `sign` picks A > 0 ("pos", the paper's panel) or A < 0 ("neg"). Pass
-    either or both; the figure has one panel per table given.
+    n_moved, correct_ratio) with a `method` column when there are several: cells repeated over other columns (steps,
+    batches) are pooled, weighted by their token counts; lines are the correct ratio among the tokens that moved,
+    light bars the share that did not move at all (counted apart, never as wrong); `sign` picks A > 0 ("pos", the
+    paper's panel) or A < 0 ("neg"). Pass either or both; the figure has one panel per table given.
     """
     from lopti_lab.theory import grad_norm_bounds
 
@@ -163,17 +192,18 @@ def fig2(
         cells = shift[(shift["sign"] == sign) & (shift["n_tokens"] > 0)].copy()
         if "method" not in cells.columns:
             cells["method"] = ""
-        cells["n_correct"] = cells["correct_ratio"] * cells["n_tokens"]
-        pooled = cells.groupby(["method", "bin", "label"], sort=False)[["n_correct", "n_tokens"]].sum().reset_index()
-        pooled["correct_ratio"] = pooled["n_correct"] / pooled["n_tokens"]
+        pooled = _pool_shift(cells, ["method", "bin", "label"])
         bins, labels = _bin_axis(shift)
-        for method, rows in pooled.groupby("method", sort=False):
-            rows = rows.set_index("bin").reindex(bins)
-            ax.plot(range(len(bins)), rows["correct_ratio"], marker="o", label=method or None)
+        methods = list(dict.fromkeys(pooled["method"]))
+        for i, method in enumerate(methods):
+            rows = pooled[pooled["method"] == method].set_index("bin").reindex(bins)
+            ax.plot(range(len(bins)), rows["correct_ratio"], marker="o", color=f"C{i}", label=method or None)
+        _unmoved_bars(ax, pooled, {b: i for i, b in enumerate(bins)}, methods)
         ax.axhline(0.5, color="0.5", lw=0.8, ls="--")
         ax.set_xticks(range(len(bins)), labels)
         ax.set_xlabel("probability bin (old policy)")
-        ax.set_ylabel(f"correct ratio ({SIGN_NAMES[sign]})")
+        ax.set_ylabel(f"correct ratio among tokens that moved ({SIGN_NAMES[sign]})")
+        ax.set_ylim(-0.02, 1.02)
         ax.set_title("(b) tokens moved the way their advantage asks")
         if any(pooled["method"] != ""):
             ax.legend(loc="best", fontsize="small")
@@ -266,16 +296,14 @@ def toy_dynamics(result) -> Figure:
     ax_s.set_ylabel("share of the gradient")
     ax_s.set_title("(b) lowest (solid) vs highest (dashed) bin")
     ax_s.legend(fontsize="x-small", ncols=2)
-    cells = shift[(shift["sign"] == "pos") & (shift["n_tokens"] > 0)].copy()
-    cells["n_correct"] = cells["correct_ratio"] * cells["n_tokens"]
-    pooled = cells.groupby(["method", "bin", "label"], sort=False)[["n_correct", "n_tokens"]].sum().reset_index()
+    pooled = _pool_shift(shift[(shift["sign"] == "pos") & (shift["n_tokens"] > 0)], ["method", "bin", "label"])
     for method, rows in pooled.groupby("method", sort=False):
-        ax_c.plot(rows["bin"], rows["n_correct"] / rows["n_tokens"], marker="o", label=method)
+        ax_c.plot(rows["bin"], rows["correct_ratio"], marker="o", label=method)
     labels = shift[["bin", "label"]].drop_duplicates().sort_values("bin")
     ax_c.set_xticks(labels["bin"], labels["label"])
     ax_c.axhline(0.5, color="0.5", lw=0.8, ls="--")
     ax_c.set_xlabel("probability bin (old policy)")
-    ax_c.set_ylabel("correct ratio (A > 0)")
+    ax_c.set_ylabel("correct ratio among tokens that moved (A > 0)")
     ax_c.set_title("(c) tokens moved the way their advantage asks")
     ax_c.legend(fontsize="small")
     return fig
@@ -353,6 +381,50 @@ def gradient_share(long: pd.DataFrame) -> Figure:
     return fig
 
 
+def mechanism_over_steps(long: pd.DataFrame, sign: str = "pos", smooth: int = 1) -> Figure:
+    """The paper's mechanism during training, per method over the probed steps: one column per probability bin, rows
+    (a) the bin's share of the response tokens (Fig. 1a), (b) its share of the gradient (Fig. 1d, "position"
+    attribution), (c) the correct ratio among its tokens that moved (Fig. 2b; ``sign`` "pos" for A > 0). Lines are
+    the mean over each method's runs (seeds); ``smooth`` > 1 applies a centred rolling mean over steps."""
+    _require(long, "long", ["run", "method", "step", "metric", "value"])
+    pattern = rf"^(tokens/share|grad/share|shift/correct_{sign}|shift/n_{sign}|shift/unmoved_{sign})_bin(\d+)$"
+    cells = long[long["metric"].str.match(pattern)].copy()
+    if cells.empty:
+        raise ValueError("no tokens/share_bin*, grad/share_bin* or shift/* metrics: train with probe_every > 0")
+    parts = cells["metric"].str.extract(pattern)
+    cells["what"], cells["bin"] = parts[0], parts[1].astype(int)
+    wide = cells.pivot_table(index=["method", "run", "step", "bin"], columns="what", values="value").reset_index()
+    bins = sorted(wide["bin"].unique())
+    rows = [("tokens/share", "share of tokens"), ("grad/share", "share of the gradient")]
+    if f"shift/correct_{sign}" in wide.columns:
+        rows.append((f"shift/correct_{sign}", f"correct ratio ({SIGN_NAMES[sign]})"))
+    fig = Figure(figsize=(3.4 * len(bins), 2.6 * len(rows)), layout="constrained")
+    axes = np.asarray(fig.subplots(len(rows), len(bins), sharex=True, squeeze=False))
+    methods = _methods(wide)
+    for r, (what, label) in enumerate(rows):
+        for c, b in enumerate(bins):
+            ax = axes[r, c]
+            for i, method in enumerate(methods):
+                mine = wide[(wide["method"] == method) & (wide["bin"] == b)]
+                if what not in mine or mine[what].isna().all():
+                    continue
+                curve = mine.groupby("step")[what].mean()
+                if smooth > 1:
+                    curve = curve.rolling(smooth, center=True, min_periods=1).mean()
+                ax.plot(curve.index, curve.to_numpy(), color=f"C{i}", label=method)
+            if what.startswith("shift/"):
+                ax.axhline(0.5, color="0.5", lw=0.8, ls="--")
+                ax.set_ylim(-0.02, 1.02)
+            if r == 0:
+                ax.set_title(f"bin {b}")
+            if c == 0:
+                ax.set_ylabel(label)
+            if r == len(rows) - 1:
+                ax.set_xlabel("RL step")
+    axes[0, 0].legend(fontsize="x-small")
+    return fig
+
+
 def live_training(history: Sequence[dict]) -> Figure:
     """A running training's dashboard from its metrics so far: (a) reward, (b) accuracy by people count in the
     training batches, (c) the latest probed step's token and gradient shares per probability bin."""
@@ -390,44 +462,42 @@ def live_training(history: Sequence[dict]) -> Figure:
 
 
 def correct_ratio(long: pd.DataFrame, sign: str = "pos") -> Figure:
-    """From the trainer's ``shift/*`` metrics (every probed step): (a) the correct ratio per probability bin, pooled
-    over the probed steps of each method's runs (the paper's Fig. 2b during training); (b) the top bin's correct
-    ratio over the steps. ``sign``: "pos" (A > 0 tokens that went up) or "neg" (A < 0 tokens that went down)."""
+    """From the trainer's ``shift/*`` metrics (every probed step): (a) the correct ratio per probability bin among the
+    tokens that moved, pooled over the probed steps of each method's runs (the paper's Fig. 2b during training), with
+    the share that did not move as light bars; (b) the top bin's correct ratio over the steps. ``sign``: "pos" (A > 0
+    tokens that went up) or "neg" (A < 0 tokens that went down)."""
     _require(long, "long", ["method", "step", "metric", "value"])
-    pattern = rf"^shift/(correct|n)_{sign}_bin(\d+)$"
+    pattern = rf"^shift/(correct|n|unmoved)_{sign}_bin(\d+)$"
     cells = long[long["metric"].str.match(pattern)].copy()
     if cells.empty:
         raise ValueError("no shift/* metrics: train with probe_every > 0")
     parts = cells["metric"].str.extract(pattern)
     cells["what"], cells["bin"] = parts[0], parts[1].astype(int)
     wide = cells.pivot_table(index=["method", "run", "step", "bin"], columns="what", values="value").reset_index()
-    wide["n_correct"] = wide["correct"].fillna(0) * wide["n"]
+    wide = wide.rename(columns={"n": "n_tokens", "correct": "correct_ratio"})
+    if "unmoved" in wide.columns:  # runs before the unmoved share was logged count every token as moved
+        wide["n_moved"] = wide["n_tokens"] * (1 - wide["unmoved"].fillna(0))
     fig = Figure(figsize=(12, 4), layout="constrained")
     ax_bins, ax_steps = fig.subplots(1, 2)
     top = wide["bin"].max()
-    for i, method in enumerate(_methods(wide)):
-        rows = wide[wide["method"] == method]
-        pooled = rows.groupby("bin")[["n_correct", "n"]].sum()
-        ax_bins.plot(
-            pooled.index,
-            pooled["n_correct"] / pooled["n"].where(pooled["n"] > 0),
-            marker="o",
-            color=f"C{i}",
-            label=method,
-        )
-        over = rows[rows["bin"] == top].groupby("step")[["n_correct", "n"]].sum()
-        ax_steps.plot(
-            over.index, over["n_correct"] / over["n"].where(over["n"] > 0), marker=".", color=f"C{i}", label=method
-        )
+    methods = _methods(wide)
+    pooled = _pool_shift(wide, ["method", "bin"])
+    for i, method in enumerate(methods):
+        rows = pooled[pooled["method"] == method]
+        ax_bins.plot(rows["bin"], rows["correct_ratio"], marker="o", color=f"C{i}", label=method)
+        over = _pool_shift(wide[(wide["method"] == method) & (wide["bin"] == top)], ["step"])
+        ax_steps.plot(over["step"], over["correct_ratio"], marker=".", color=f"C{i}", label=method)
     bins = sorted(wide["bin"].unique())
+    _unmoved_bars(ax_bins, pooled, {b: b for b in bins}, methods)
     ax_bins.set_xticks(bins, [f"bin {b}" for b in bins])
     ax_bins.set_xlabel("probability bin (old policy), low to high")
-    ax_bins.set_ylabel(f"correct ratio ({SIGN_NAMES[sign]})")
+    ax_bins.set_ylabel(f"correct ratio among movers ({SIGN_NAMES[sign]})")
     ax_bins.set_title("(a) pooled over the probed steps")
     ax_steps.set_xlabel("RL step")
     ax_steps.set_title(f"(b) the top bin (bin {top}) over training")
     for ax in (ax_bins, ax_steps):
         ax.axhline(0.5, color="0.5", lw=0.8, ls="--")
+        ax.set_ylim(-0.02, 1.02)
     ax_bins.legend(fontsize="small")
     return fig
 

@@ -127,17 +127,21 @@ def grad_norm_bounds(p, vocab_size: int):
 
 
 def shift_summary(tokens: pd.DataFrame, bins: Sequence[float] = DEFAULT_BINS, by: Sequence[str] = ()) -> pd.DataFrame:
-    """Per bin and advantage sign, how far probabilities moved and the share that moved the right way (Fig. 2b).
+    """Per bin and advantage sign, how far probabilities moved, how many did not move at all, and the share of the
+    tokens that moved which moved the right way (Fig. 2b).
 
     `tokens` has one row per response token with columns `bin` (int), `advantage` and `delta_p` (new - old
-    probability), plus any grouping columns named in `by` (e.g. ``("method", "step")``). A token is *correct* when its
-    probability moved the way its advantage asks: delta_p > 0 for A > 0, delta_p < 0 for A < 0; one that did not move at
-    all is not correct. Tokens with A = 0 ask for nothing and are left out. Returns one row per (by..., bin, sign) with
-    sign in ("pos", "neg"), empty cells included: `bin`, `label`, `sign`, `n_tokens`, `correct_ratio` (NaN when empty),
-    and the mean, median and quartiles of `delta_p`.
+    probability), optionally `dlogp` (new - old log-probability), plus any grouping columns named in `by` (e.g.
+    ``("method", "step")``). The direction of a move is the sign of `dlogp` when given (precise even where a
+    probability near 1 cannot show the move: 1 - 3e-5 and 1 - 2e-5 are the same float32 number), else of `delta_p`.
+    A token that did not move (direction 0) is *unmoved*: neither right nor wrong, counted apart. A token that moved is
+    *correct* when it moved the way its advantage asks: up for A > 0, down for A < 0. Tokens with A = 0 ask for
+    nothing and are left out. Returns one row per (by..., bin, sign) with sign in ("pos", "neg"), empty cells
+    included: `bin`, `label`, `sign`, `n_tokens` (tokens asked to move), `n_moved`, `unmoved_share`,
+    `correct_ratio` (among the moved; NaN when none moved), and the mean, median and quartiles of `delta_p`.
 
-    Example: a bin holding tokens (A, delta_p) = (+1, +.1), (+1, -.2), (-1, -.3) has correct_ratio .5 for "pos"
-    (one of two went up) and 1 for "neg".
+    Example: a bin holding tokens (A, delta_p) = (+1, +.1), (+1, -.2), (+1, 0), (-1, -.3) has for "pos" n_tokens 3,
+    n_moved 2, unmoved_share 1/3 and correct_ratio .5 (one of the two that moved went up); for "neg" correct_ratio 1.
     """
     by = list(by)
     labels = bin_labels(bins)
@@ -146,17 +150,22 @@ def shift_summary(tokens: pd.DataFrame, bins: Sequence[float] = DEFAULT_BINS, by
         raise ValueError(f"tokens lacks columns {sorted(missing)}")
     adv = tokens["advantage"].to_numpy(dtype=float)
     dp = tokens["delta_p"].to_numpy(dtype=float)
+    direction = np.sign(tokens["dlogp"].to_numpy(dtype=float) if "dlogp" in tokens.columns else dp)
     asked = adv != 0
+    moved = direction[asked] != 0
+    right = np.where(adv[asked] > 0, direction[asked] > 0, direction[asked] < 0)
     cells = tokens.loc[asked, [*by, "bin"]].assign(
         sign=np.where(adv[asked] > 0, "pos", "neg"),
         delta_p=dp[asked],
-        correct=np.where(adv[asked] > 0, dp[asked] > 0, dp[asked] < 0),
+        moved=moved.astype(float),
+        correct=np.where(moved, right.astype(float), np.nan),
     )
     keys = [*by, "bin", "sign"]
     grouped = cells.groupby(keys, sort=False)
     table = grouped.agg(
-        n_tokens=("correct", "size"),
-        correct_ratio=("correct", "mean"),
+        n_tokens=("moved", "size"),
+        n_moved=("moved", "sum"),
+        correct_ratio=("correct", "mean"),  # NaN (unmoved) rows are skipped: the ratio among the tokens that moved
         dp_mean=("delta_p", "mean"),
         dp_median=("delta_p", "median"),
     )
@@ -170,6 +179,9 @@ def shift_summary(tokens: pd.DataFrame, bins: Sequence[float] = DEFAULT_BINS, by
     )
     table = table.reindex(full).reset_index()
     table["n_tokens"] = table["n_tokens"].fillna(0).astype(int)
+    table["n_moved"] = table["n_moved"].fillna(0).astype(int)
+    table.insert(table.columns.get_loc("n_moved") + 1, "unmoved_share", 1 - table["n_moved"] / table["n_tokens"])
+    table.loc[table["n_tokens"] == 0, "unmoved_share"] = np.nan
     table.insert(len(by) + 1, "label", [labels[k] for k in table["bin"]])
     return table
 
@@ -287,7 +299,8 @@ class ToyResult:
     """step, method and `shift_summary`'s columns: the correct ratio after the whole step's update (Fig. 2b)."""
     tokens: pd.DataFrame = field(repr=False)
     """One row per sampled token: step, method, seq, pos, state, token, prob (pi_old), grad_norm (||e_y - pi||),
-    advantage, weight (the advantage after AR), bin, p_new, delta_p. Fig. 2a's wedge is prob vs grad_norm."""
+    advantage, weight (the advantage after AR), bin, p_new, delta_p, dlogp (new - old log-prob). Fig. 2a's wedge is
+    prob vs grad_norm."""
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -410,13 +423,15 @@ def _run(config: ToyConfig, method: Method) -> dict[str, pd.DataFrame]:
             step_W(grad)
 
         with torch.no_grad():
-            p_new = logp_of(states, tokens).exp()  # (B, T)
+            new_logp = logp_of(states, tokens)  # (B, T)
         int_cols.append(torch.stack([states, tokens, bin_of]).view(3, n).T)  # (B*T, 3)
-        float_cols.append(torch.stack([p_old, norms, adv, weight, p_new]).view(5, n).T)  # (B*T, 5)
+        # the move's direction from the log-probs (shift_summary): exp() of a probability near 1 can hide it
+        moves = [p_old, norms, adv, weight, new_logp.exp(), new_logp - old_logp]
+        float_cols.append(torch.stack(moves).view(len(moves), n).T)  # (B*T, 6)
 
     seq, pos = torch.meshgrid(torch.arange(B), torch.arange(T), indexing="ij")
     ints = torch.cat(int_cols).numpy()  # (steps*B*T, 3)
-    floats = torch.cat(float_cols).double().numpy()  # (steps*B*T, 5)
+    floats = torch.cat(float_cols).double().numpy()  # (steps*B*T, 6)
     tokens = pd.DataFrame(
         {
             "step": np.repeat(np.arange(config.steps), n),
@@ -432,6 +447,7 @@ def _run(config: ToyConfig, method: Method) -> dict[str, pd.DataFrame]:
             "bin": ints[:, 2],
             "p_new": floats[:, 4],
             "delta_p": floats[:, 4] - floats[:, 0],
+            "dlogp": floats[:, 5],
         }
     )
     step_stats = torch.tensor([[r, p, a / S] for r, p, a in steps], dtype=torch.float64).numpy()

@@ -44,6 +44,7 @@ from lopti_lab.kk.data import split_files
 from lopti_lab.models import DEFAULT_LORA_TARGETS, LoraSpec, Reference, check_model_name, load_policy
 from lopti_lab.objective import group_advantages, lopti_stages, masked_mean, policy_loss, reweight_advantages
 from lopti_lab.probes import GradientProbe, probability_shift
+from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.rollout import Rollout, add_logprobs, response_logprobs, sample
 
 __all__ = [
@@ -527,15 +528,17 @@ def train_step(
     advantages = group_advantages(totals, group, cfg.advantage_scale)  # (B,)
     token_adv, stages, metrics = advantages_and_stages(rollout, advantages, cfg)
 
-    # every probe_every steps: per-bin gradient shares of the real update (position attribution, probes.py)
+    # every probe_every steps: per-bin gradient shares of the real update (position attribution, probes.py), and
+    # the probability shift it causes, measured between float64 forwards before and after it (shift_metrics)
     gradient_probe = GradientProbe(model, bins=cfg.probe_bins) if probe else None
+    before = shift_logprobs(model, rollout, cfg) if probe else None
     with gradient_probe or nullcontext():
         metrics.update(update_policy(model, optimizer, rollout, token_adv, stages, cfg, gradient_probe))
     sync()
     t4 = time.perf_counter()
     if gradient_probe is not None and metrics["update/optimizer_steps"] > 0:
         metrics.update(gradient_probe.metrics())
-        metrics.update(shift_metrics(model, rollout, advantages, cfg))
+        metrics.update(shift_metrics(model, rollout, advantages, cfg, before))
     if rollout.entropy is not None:
         metrics["policy/entropy"] = masked_mean(rollout.entropy, mask).item()
 
@@ -563,22 +566,32 @@ def train_step(
     return metrics
 
 
-def shift_metrics(model: torch.nn.Module, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig) -> dict:
-    """How the step's update moved each response token's probability, per probability bin (the paper's Fig. 2b,
-    measured as its code does: log-probs recomputed on the same batch after the update). One extra no-grad forward.
+def shift_logprobs(model: torch.nn.Module, rollout: Rollout, cfg: TrainConfig) -> torch.Tensor:
+    """(B, T) float64 log-probs of the rollout's tokens under the model as it is now (``probes.float64_logprobs``)."""
+    return float64_logprobs(
+        model, rollout.input_ids, rollout.attention_mask, rollout.response_mask, cfg.temperature,
+        cfg.logprob_batch_size,
+    )  # fmt: skip
 
-    Keys: ``shift/correct_{pos,neg}_bin{i}`` (share of A > 0 tokens whose probability went up, of A < 0 tokens whose
-    probability went down), ``shift/n_{pos,neg}_bin{i}`` (their counts) and ``shift/dp_mean_bin{i}``.
+
+def shift_metrics(
+    model: torch.nn.Module, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig, before: torch.Tensor
+) -> dict:
+    """How the step's update moved each response token's probability, per probability bin (the paper's Fig. 2b,
+    measured as its code does: log-probs recomputed on the same batch after the update, here in float64 so that a
+    token near p = 1 is seen to move). ``before``: ``shift_logprobs`` taken before the update.
+
+    Keys: ``shift/correct_{pos,neg}_bin{i}`` (among the A > 0 tokens that moved, the share that went up; among the
+    A < 0 ones, the share that went down), ``shift/unmoved_{pos,neg}_bin{i}`` (share that did not move at all),
+    ``shift/n_{pos,neg}_bin{i}`` (token counts) and ``shift/dp_mean_bin{i}``.
     """
-    with torch.inference_mode():
-        new_logp, _ = response_logprobs(
-            model, rollout.input_ids, rollout.attention_mask, rollout.response_mask, cfg.temperature
-        )
-    shift = probability_shift(rollout.old_logp, new_logp, advantages, rollout.response_mask, cfg.probe_bins)
+    after = shift_logprobs(model, rollout, cfg)
+    shift = probability_shift(before, after, advantages, rollout.response_mask, cfg.probe_bins)
     out = {}
     for row in shift.bins.itertuples():
         out[f"shift/n_{row.sign}_bin{row.bin}"] = float(row.n_tokens)
-        out[f"shift/correct_{row.sign}_bin{row.bin}"] = float(row.correct_ratio) if row.n_tokens else math.nan
+        out[f"shift/correct_{row.sign}_bin{row.bin}"] = float(row.correct_ratio) if row.n_moved else math.nan
+        out[f"shift/unmoved_{row.sign}_bin{row.bin}"] = float(row.unmoved_share) if row.n_tokens else math.nan
     means = shift.tokens.groupby("bin")["delta_p"].mean()
     out.update({f"shift/dp_mean_bin{k}": float(v) for k, v in means.items()})
     return out

@@ -85,7 +85,7 @@ def test_fig2_wedge_from_a_model_and_correct_ratio_per_method(sweep):
     for method, new in (("up", old + 0.1), ("down", old - 0.1)):
         shifts.append(probability_shift(old, new, adv, mask, bins=(0, 0.5, 1)).bins.assign(method=method))
     fig = fig2(tokens, stats.vocab_size, pd.concat(shifts))
-    wedge, ratio = fig.axes
+    wedge, ratio, unmoved = fig.axes
     scatter = [c for c in wedge.collections if isinstance(c, PathCollection)]
     assert len(scatter) == 1 and len(scatter[0].get_offsets()) == len(tokens)
     np.testing.assert_allclose(np.asarray(scatter[0].get_offsets())[:, 1], tokens["grad_norm"])
@@ -97,24 +97,29 @@ def test_fig2_wedge_from_a_model_and_correct_ratio_per_method(sweep):
     assert set(lines) == {"up", "down"}
     np.testing.assert_allclose(lines["up"], [1.0, 1.0])  # every A > 0 token went up
     np.testing.assert_allclose(lines["down"], [0.0, 0.0])
+    assert [b.get_height() for b in unmoved.patches] == [0.0] * 4  # every token moved: no unmoved bars
     rendered(fig)
 
 
 def test_fig2_pools_the_toy_steps_and_draws_one_line_per_method():
     res = simulate(TOY)
     fig = fig2(res.tokens, TOY.vocab_size, res.shift)
-    wedge, ratio = fig.axes
+    wedge, ratio, unmoved = fig.axes
     scatter = next(c for c in wedge.collections if isinstance(c, PathCollection))
     assert len(scatter.get_offsets()) == len(res.tokens)
     methods = [line.get_label() for line in ratio.lines if not line.get_label().startswith("_")]
     assert methods == list(res.steps["method"].unique())
-    # pooled over steps, weighted by tokens: the GRPO line is the token-weighted mean of its cells
+    # pooled over steps, weighted by the tokens that moved: the GRPO line is the mover-weighted mean of its cells
     cells = res.shift[(res.shift["method"] == "GRPO") & (res.shift["sign"] == "pos") & (res.shift["n_tokens"] > 0)]
-    pooled = cells.groupby("bin").apply(lambda c: (c.correct_ratio * c.n_tokens).sum() / c.n_tokens.sum())
+    pooled = cells.groupby("bin").apply(lambda c: (c.correct_ratio.fillna(0) * c.n_moved).sum() / c.n_moved.sum())
     grpo = next(line for line in ratio.lines if line.get_label() == "GRPO").get_ydata()
     np.testing.assert_allclose(np.asarray(grpo)[pooled.index], pooled.to_numpy())
+    unmoved_share = cells.groupby("bin").apply(lambda c: 1 - c.n_moved.sum() / c.n_tokens.sum())
+    n_methods = res.shift["method"].nunique()
+    np.testing.assert_allclose([b.get_height() for b in unmoved.patches][: len(unmoved_share)], unmoved_share)
+    assert len(unmoved.patches) == n_methods * len(unmoved_share)
     only_b = fig2(shift=res.shift, sign="neg")
-    assert len(only_b.axes) == 1 and "A < 0" in only_b.axes[0].get_ylabel()
+    assert len(only_b.axes) == 2 and "A < 0" in only_b.axes[0].get_ylabel()
     sampled = fig2(res.tokens, TOY.vocab_size, max_points=100)
     assert len(next(c for c in sampled.axes[0].collections if isinstance(c, PathCollection)).get_offsets()) == 100
     rendered(fig)
@@ -190,8 +195,9 @@ def test_correct_ratio_pools_bins_and_follows_the_top_bin():
 
     fig = correct_ratio(_long_table())
     rendered(fig)
-    by_bin, over_steps = fig.axes
+    by_bin, over_steps, unmoved = fig.axes
     np.testing.assert_allclose(by_bin.lines[1].get_ydata(), [0.6] * 4)  # GRPO+AR, pooled
+    assert [b.get_height() for b in unmoved.patches] == [0.0] * 8  # no shift/unmoved_* logged: all counted as moved
     np.testing.assert_allclose(over_steps.lines[0].get_xdata(), [2, 3])
     with pytest.raises(ValueError, match="shift"):
         correct_ratio(_long_table().query("not metric.str.startswith('shift')"))
@@ -232,3 +238,19 @@ def test_theory_figures_and_token_colours():
     rendered(kk_dataset(dataset_stats(load_split("test", [2, 5], limit=5))))
     html = token_html(["<think>", " a\nb"], [0.05, 0.95])
     assert html.count("<span title=") == 2 and "&lt;think&gt;" in html and "p = 0.050" in html
+
+
+def test_mechanism_over_steps_draws_the_seed_mean_per_bin_and_method():
+    from lopti_lab.plots import mechanism_over_steps
+
+    fig = mechanism_over_steps(_long_table())
+    rendered(fig)
+    assert len(fig.axes) == 3 * 4  # token share, gradient share, correct ratio x 4 bins
+    grad_bin0 = fig.axes[4]
+    grpo = next(line for line in grad_bin0.lines if line.get_label() == "GRPO")
+    np.testing.assert_allclose(grpo.get_xdata(), [2, 3])
+    np.testing.assert_allclose(grpo.get_ydata(), [0.7 * 1.5] * 2)  # seeds x1 and x2: mean 1.05
+    ar = next(line for line in fig.axes[8].lines if line.get_label() == "GRPO+AR")
+    np.testing.assert_allclose(ar.get_ydata(), [0.6, 0.6])
+    with pytest.raises(ValueError, match="probe_every"):
+        mechanism_over_steps(_long_table().query("metric in ('reward/mean', 'acc/all')"))

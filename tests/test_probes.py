@@ -23,6 +23,7 @@ from lopti_lab.probes import (
     to_metrics,
     token_stats,
 )
+from lopti_lab.probes.shift import in_float64
 from lopti_lab.theory import DEFAULT_BINS, bin_index, logit_grad_norm
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -487,8 +488,9 @@ def test_probability_shift_by_hand():
         seq 1, A = -1: p_old (.2, .7, .8, .3) -> p_new (.1, .75, .6, --)  dp (-.1, +.05, -.2, masked)
 
     Bin 0 ([0, .5)) holds p_old .1, .4 (A > 0) and .2 (A < 0); bin 1 ([.5, 1]) holds .6, .9 (A > 0) and .7, .8 (A < 0).
-    Correct = moved the way A asks: bin 0 pos: .1 up (yes), .4 down (no) -> 1/2; bin 0 neg: .2 down (yes) -> 1;
-    bin 1 pos: .6 up (yes), .9 unmoved (no) -> 1/2; bin 1 neg: .7 up (no), .8 down (yes) -> 1/2.
+    Correct = moved the way A asks, among the tokens that moved: bin 0 pos: .1 up (yes), .4 down (no) -> 1/2;
+    bin 0 neg: .2 down (yes) -> 1; bin 1 pos: .6 up (yes), .9 unmoved (counted apart, unmoved share 1/2) -> 1/1;
+    bin 1 neg: .7 up (no), .8 down (yes) -> 1/2.
     Mean dp: bin 0 pos (.1 - .1)/2 = 0; bin 1 neg (.05 - .2)/2 = -.075.
     """
     p_old = torch.tensor([[0.1, 0.4, 0.6, 0.9], [0.2, 0.7, 0.8, 0.3]], dtype=torch.float64)
@@ -499,12 +501,16 @@ def test_probability_shift_by_hand():
     torch.testing.assert_close(shift.delta_p, expected_dp, rtol=0, atol=1e-12)
     table = shift.bins.set_index(["bin", "sign"])
     assert table["correct_ratio"].to_dict() == pytest.approx(
-        {(0, "pos"): 0.5, (0, "neg"): 1.0, (1, "pos"): 0.5, (1, "neg"): 0.5}
+        {(0, "pos"): 0.5, (0, "neg"): 1.0, (1, "pos"): 1.0, (1, "neg"): 0.5}
     )
     assert table["n_tokens"].to_dict() == {(0, "pos"): 2, (0, "neg"): 1, (1, "pos"): 2, (1, "neg"): 2}
+    assert table["n_moved"].to_dict() == {(0, "pos"): 2, (0, "neg"): 1, (1, "pos"): 1, (1, "neg"): 2}
+    unmoved = {(0, "pos"): 0, (0, "neg"): 0, (1, "pos"): 0.5, (1, "neg"): 0}
+    assert table["unmoved_share"].to_dict() == pytest.approx(unmoved)
     assert table.loc[(0, "pos"), "dp_mean"] == pytest.approx(0.0, abs=1e-12)
     assert table.loc[(1, "neg"), "dp_mean"] == pytest.approx(-0.075)
     assert len(shift.tokens) == 7 and shift.tokens["correct"].sum() == 4
+    assert shift.tokens["correct"].isna().sum() == 1 and not shift.tokens.loc[3, "moved"]  # p .9 -> .9
 
 
 def test_selective_update_is_one_sgd_step_and_restores_the_weights(setup):
@@ -524,14 +530,18 @@ def test_selective_update_is_one_sgd_step_and_restores_the_weights(setup):
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     assert out.grad_norm == pytest.approx(math.sqrt(sum(float(g.square().sum()) for g in grads if g is not None)))
     assert out.n_updated == int(chosen.sum()) and out.update == "bin0+bin1"
+    # the shift is measured in float64 throughout (HF's RMSNorm alone would round to float32: in_float64 fixes it)
+    with in_float64(model):
+        old = token_stats(model, ids, attn, mask).prob
     with torch.no_grad():
         for p, g in zip(params, grads):
             if g is not None:
                 p -= 0.5 * g
-        new = token_stats(model, ids, attn, mask).prob
+        with in_float64(model):
+            new = token_stats(model, ids, attn, mask).prob
         for k, v in before.items():
             model.state_dict()[k].copy_(v)
-    torch.testing.assert_close(out.shift.delta_p, torch.where(mask, new - stats.prob, 0.0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.shift.delta_p, torch.where(mask, new - old, 0.0), rtol=0, atol=1e-12)
 
 
 def test_selective_sweep_grad_norms_match_the_loss_attribution(tokenizer):

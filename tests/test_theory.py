@@ -149,16 +149,26 @@ def test_bin_index_and_labels():
 
 
 def test_shift_summary_by_hand():
-    """Bin 0: (A, dp) = (+1, +.1), (+1, -.2), (-1, -.3), (0, +.5); bin 1: (+2, 0.0).
-    pos in bin 0: one of two went up -> .5; neg in bin 0: went down -> 1; A = 0 is left out; bin 1 pos: did not move,
-    not correct -> 0; bin 1 neg: empty -> NaN with n_tokens 0."""
+    """Bin 0: (A, dp) = (+1, +.1), (+1, -.2), (-1, -.3), (0, +.5); bin 1: (+2, 0.0), (+1, +.4).
+    pos in bin 0: one of two went up -> .5; neg in bin 0: went down -> 1; A = 0 is left out; bin 1 pos: one did not
+    move (unmoved share 1/2, neither right nor wrong), the other went up -> 1 of 1; bin 1 neg: empty -> NaN with
+    n_tokens 0."""
     tokens = pd.DataFrame(
-        {"bin": [0, 0, 0, 0, 1], "advantage": [1.0, 1.0, -1.0, 0.0, 2.0], "delta_p": [0.1, -0.2, -0.3, 0.5, 0.0]}
+        {
+            "bin": [0, 0, 0, 0, 1, 1],
+            "advantage": [1.0, 1.0, -1.0, 0.0, 2.0, 1.0],
+            "delta_p": [0.1, -0.2, -0.3, 0.5, 0.0, 0.4],
+        }
     )
     table = shift_summary(tokens, (0, 0.5, 1)).set_index(["bin", "sign"])
     assert table.loc[(0, "pos"), "correct_ratio"] == 0.5
     assert table.loc[(0, "neg"), "correct_ratio"] == 1.0
-    assert table.loc[(1, "pos"), "correct_ratio"] == 0.0
+    assert table.loc[(1, "pos"), "correct_ratio"] == 1.0
+    assert table.loc[(1, "pos"), ["n_tokens", "n_moved"]].tolist() == [2, 1]
+    assert table.loc[(1, "pos"), "unmoved_share"] == 0.5 and table.loc[(0, "pos"), "unmoved_share"] == 0.0
+    # the direction comes from dlogp when given (a move a float32 delta_p cannot show)
+    with_dlogp = shift_summary(tokens.assign(dlogp=[1.0, -1.0, -1.0, 0.0, 1e-9, 1.0]), (0, 0.5, 1))
+    assert with_dlogp.set_index(["bin", "sign"]).loc[(1, "pos"), "n_moved"] == 2
     assert np.isnan(table.loc[(1, "neg"), "correct_ratio"]) and table.loc[(1, "neg"), "n_tokens"] == 0
     assert table.loc[(0, "pos"), "dp_mean"] == pytest.approx(-0.05)
     assert table.loc[(0, "pos"), "n_tokens"] == 2 and len(table) == 4

@@ -342,8 +342,10 @@ def test_single_step_grpo_reuses_its_update_forward_as_pi_old(config, tmp_path, 
 
 
 def test_shift_metrics_match_a_per_token_count(config):
-    """After an update, shift/correct_pos_bin{i} is the share of bin i's A > 0 tokens whose probability rose,
-    counted here token by token from a plain full forward of the updated model."""
+    """After an update, shift/correct_pos_bin{i} is the share of bin i's A > 0 tokens that moved whose probability
+    rose, counted here token by token from plain full forwards of float64 copies of the model before and after."""
+    import copy
+
     from lopti_lab.rollout import sample
 
     model, tok = load_policy(config.model, LoraSpec(r=4, alpha=8))
@@ -351,23 +353,31 @@ def test_shift_metrics_match_a_per_token_count(config):
     torch.manual_seed(0)
     rollout = sample(model, tok, [trainer.build_prompt(p, "base") for p in puzzles], 4, max_new_tokens=6)
     advantages = torch.tensor([1.0, -1.0, 0.5, 0.0, -0.5, 2.0, -2.0, 0.0])
+    cfg = replace(config, temperature=1.0)
+    ids, attn = rollout.input_ids, rollout.attention_mask
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+
+    def probs_of_a_copy():
+        with torch.no_grad():
+            logits = copy.deepcopy(model).double()(input_ids=ids, attention_mask=attn, position_ids=positions).logits
+        return logits.softmax(-1)  # (B, L, V)
+
+    before = trainer.shift_logprobs(model, rollout, cfg)
+    old_probs = probs_of_a_copy()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)  # some update
-    metrics = trainer.shift_metrics(model, rollout, advantages, replace(config, temperature=1.0))
-    ids, attn = rollout.input_ids, rollout.attention_mask
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits.double()
+    metrics = trainer.shift_metrics(model, rollout, advantages, cfg, before)
+    new_probs = probs_of_a_copy()
     T = rollout.response_ids.shape[1]
     counts = {}
     for b in range(len(rollout)):
         for t in range(T):
             if not rollout.response_mask[b, t] or advantages[b] == 0:
                 continue
-            new_p = logits[b, ids.shape[1] - T - 1 + t].softmax(-1)[rollout.response_ids[b, t]].item()
-            old_p = rollout.old_logp[b, t].exp().item()
+            at, token = ids.shape[1] - T - 1 + t, rollout.response_ids[b, t]
+            old_p, new_p = old_probs[b, at, token].item(), new_probs[b, at, token].item()
             k = min(int(old_p / 0.25), 3)
             sign = "pos" if advantages[b] > 0 else "neg"
             right = new_p > old_p if sign == "pos" else new_p < old_p
@@ -377,6 +387,7 @@ def test_shift_metrics_match_a_per_token_count(config):
     for (sign, k), (n, c) in counts.items():
         assert metrics[f"shift/n_{sign}_bin{k}"] == n
         assert metrics[f"shift/correct_{sign}_bin{k}"] == pytest.approx(c / n)
+        assert metrics[f"shift/unmoved_{sign}_bin{k}"] == 0.0  # an update this size moves every token
 
 
 def test_logprob_forwards_never_hold_more_rows_than_a_micro_batch(config, monkeypatch):

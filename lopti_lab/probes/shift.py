@@ -1,0 +1,261 @@
+"""How an update moved each response token's probability (the paper's Fig. 2b) and selective updates of some bins
+(Fig. 1c, e, f); see lopti_lab.probes."""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from lopti_lab.probes._common import (
+    _check_batch,
+    _check_like,
+    _check_mask,
+    _named_trainable,
+    _response_logp,
+)
+from lopti_lab.probes.loss_attribution import _or_zeros
+from lopti_lab.theory import DEFAULT_BINS, bin_index, bin_labels, check_bins, shift_summary
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Probability shift (Fig. 2b) and selective updates (Fig. 1c, e, f)
+
+
+@dataclass
+class ProbabilityShift:
+    """How an update moved the probability of each response token."""
+
+    delta_p: torch.Tensor
+    """(B, T) float64 exp(new_logp) - exp(old_logp), as p_old * expm1(new_logp - old_logp); 0 outside the mask."""
+    tokens: pd.DataFrame
+    """One row per masked token: seq, pos, bin, label, p_old, p_new, dlogp (new - old log-prob), delta_p, advantage,
+    moved (dlogp != 0), correct (True when the token moved the way the advantage's sign asks; <NA> for A = 0 and for a
+    token that did not move)."""
+    bins: pd.DataFrame
+    """`theory.shift_summary`: per (bin, sign in "pos"/"neg") n_tokens, n_moved, unmoved_share, correct_ratio (among
+    the tokens that moved) and delta_p quantiles."""
+
+
+def probability_shift(
+    old_logp: torch.Tensor,
+    new_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    bins: Sequence[float] = DEFAULT_BINS,
+) -> ProbabilityShift:
+    """How each token's probability moved, binned by the OLD probability, and the paper's correct ratio.
+
+    The direction of a move is the sign of new_logp - old_logp, taken in float64: a log-probability near 0 keeps its
+    digits where the probability itself does not (exp(-3e-5) and exp(-2e-5) are one float32 number), so a token near
+    p = 1 that moved a little is seen to move. A token whose log-prob did not change at all is *unmoved* and counted
+    apart (``moved`` False): the correct ratio of a (bin, sign) cell is the share of its tokens that MOVED the way the
+    advantage asks, up for A > 0, down for A < 0 (Fig. 2b plots the A > 0 one), beside the cell's unmoved share. For
+    the measurement to see small moves, the log-probs must come from forwards precise enough for them:
+    ``float64_logprobs`` before and after the update.
+
+    `advantages` are (B, T) per token or (B,) per sequence. Example: p_old = .2 -> p_new = .3 with A = +1 is correct;
+    the same move with A = -1 is not; p_old = p_new with either sign is unmoved.
+    """
+    edges = check_bins(bins)
+    mask = _check_mask(mask)
+    old_logp = _check_like("old_logp", old_logp, mask).detach().double()
+    new_logp = _check_like("new_logp", new_logp, mask).detach().double()
+    adv = _check_like("advantages", advantages, mask, allow_per_sequence=True).detach()
+    dlogp = torch.where(mask, new_logp - old_logp, torch.zeros_like(old_logp))  # (B, T)
+    p_old = old_logp.exp()  # (B, T)
+    delta_p = p_old * torch.expm1(dlogp)  # (B, T): exp(new) - exp(old) without cancelling near p = 1
+    seq, pos = mask.nonzero(as_tuple=True)
+    a = adv[seq, pos].double().cpu().numpy()
+    step = dlogp[seq, pos].cpu().numpy()
+    bin_of = bin_index(p_old[seq, pos], edges).cpu().numpy()
+    correct = pd.array(np.where(a > 0, step > 0, step < 0), dtype="boolean")
+    correct[(a == 0) | (step == 0)] = pd.NA
+    labels = bin_labels(edges)
+    tokens = pd.DataFrame(
+        {
+            "seq": seq.cpu().numpy(),
+            "pos": pos.cpu().numpy(),
+            "bin": bin_of,
+            "label": [labels[k] for k in bin_of],
+            "p_old": p_old[seq, pos].cpu().numpy(),
+            "p_new": new_logp[seq, pos].exp().cpu().numpy(),
+            "dlogp": step,
+            "delta_p": delta_p[seq, pos].cpu().numpy(),
+            "advantage": a,
+            "moved": step != 0,
+            "correct": correct,
+        }
+    )
+    return ProbabilityShift(delta_p=delta_p, tokens=tokens, bins=shift_summary(tokens, edges))
+
+
+def _rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm in the input's own dtype (HF's Qwen2/Llama norms compute in float32 whatever the input is)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@contextmanager
+def in_float64(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` in float64 inside the block, then give every parameter and buffer back its own dtype.
+
+    float32 -> float64 -> float32 (and bf16 -> float64 -> bf16) round-trips bit for bit, so the weights, and an
+    optimizer holding them, are exactly as before. RMSNorm modules (those with a ``variance_epsilon``, as in Qwen2,
+    Llama and Mistral), which transformers computes in float32 even for float64 inputs, run in float64 too inside
+    the block. For measurements only: about 2x a float32 forward on a CPU."""
+    saved = {id(t): (t, t.dtype) for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}
+    norms = [m for m in model.modules() if hasattr(m, "variance_epsilon") and isinstance(m.weight, torch.Tensor)]
+    for t, _ in saved.values():
+        t.data = t.data.double()
+    for m in norms:
+        m.forward = types.MethodType(_rms_norm_float64, m)
+    try:
+        yield model
+    finally:
+        for m in norms:
+            del m.forward  # back to the class's own forward
+        for t, dtype in saved.values():
+            t.data = t.data.to(dtype)
+
+
+def float64_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+    batch_size: int | None = None,
+) -> torch.Tensor:
+    """(B, T) log pi(response token | prefix) from float64 forwards (``rollout.response_logprobs``'s layout), no grad,
+    in eval mode: what a probability-shift measurement should compare. Its rounding error is ~1e-15 where a float32
+    forward's is ~1e-6, below the log-prob moves of one small update (1e-5 to 1e-8 on tokens near p = 1)."""
+    from lopti_lab.rollout import response_logprobs
+
+    step = batch_size or len(input_ids)
+    was_training = model.training
+    model.eval()
+    try:
+        with in_float64(model), torch.inference_mode():
+            parts = [
+                response_logprobs(
+                    model, input_ids[i : i + step], attention_mask[i : i + step], response_mask[i : i + step],
+                    temperature,
+                )[0]
+                for i in range(0, len(input_ids), step)
+            ]  # fmt: skip
+    finally:
+        model.train(was_training)
+    return torch.cat(parts).clone()  # (B, T), out of inference mode
+
+
+@dataclass
+class SelectiveUpdate:
+    """One SGD step on the tokens of some bins, and what it did to every bin."""
+
+    update: str
+    """Which tokens were updated: "all" or "bin0", "bin0+bin3", ..."""
+    grad_norm: float
+    """Norm of the applied gradient (the paper's Fig. 1d bar)."""
+    n_updated: int
+    shift: ProbabilityShift
+
+
+def selective_update(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    update_bins: Sequence[int] | None = None,
+    *,
+    bins: Sequence[float] = DEFAULT_BINS,
+    lr: float = 1e-3,
+    params: Iterable[torch.Tensor] | None = None,
+    temperature: float = 1.0,
+    position_ids: torch.Tensor | None = None,
+) -> SelectiveUpdate:
+    """One SGD step on the policy-gradient loss of the tokens of `update_bins` only, then every token's probability
+    change, with the model's weights restored exactly afterwards (the paper's Fig. 1c: all bins; e: only bin 0;
+    f: only the top bin; SGD with lr 1e-3 as there). The shift is measured from float64 forwards before and after the
+    step (``in_float64``), so the top bin's small moves are seen, not rounded away.
+
+    The loss is the GRPO token mean at ratio 1, L = -(1/n) sum_{t in update_bins} A_t log pi(o_t), n counting ALL
+    response tokens (as Lopti's stages do), so the update on all bins is exactly GRPO's first minibatch step. Bins are
+    chosen by the model's own probabilities before the step. The model runs in eval mode (no dropout) throughout and
+    its mode is restored. `advantages` are (B, T) or (B,); pass AR-reweighted ones to see AR.
+
+    Example: ``selective_update(model, ids, attn, resp_mask, adv, update_bins=[0]).shift.bins`` is Fig. 1e's data.
+    """
+    edges = check_bins(bins)
+    mask, T = _check_batch(input_ids, attention_mask, response_mask)
+    adv = _check_like("advantages", advantages, mask, allow_per_sequence=True).detach()
+    K = len(edges) - 1
+    chosen = list(range(K)) if update_bins is None else [int(k) for k in update_bins]
+    if not chosen or any(not 0 <= k < K for k in chosen):
+        raise ValueError(f"update_bins must name bins in 0..{K - 1}, got {update_bins!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be positive, got {lr}")
+    named = _named_trainable(model, params)
+    params = [p for _, p in named]
+    was_training = model.training
+    model.eval()
+    try:
+        logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)  # (B, T)
+        old_logp = logp.detach()
+        in_update = mask & torch.isin(bin_index(old_logp.exp(), edges), torch.tensor(chosen, device=mask.device))
+        loss = -(adv * logp).masked_fill(~in_update, 0).sum() / mask.sum().clamp_min(1)
+        grads = [_or_zeros(g, p) for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params)]
+        grad_norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+        saved = [p.detach().clone() for p in params]
+        # the shift is measured in float64 forwards before and after the step (probability_shift)
+        with torch.no_grad(), in_float64(model):
+            old_logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)
+        try:
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    p.add_(g, alpha=-lr)
+                with in_float64(model):
+                    new_logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)
+        finally:
+            with torch.no_grad():
+                for p, s in zip(params, saved):
+                    p.copy_(s)
+    finally:
+        model.train(was_training)
+    name = "all" if sorted(set(chosen)) == list(range(K)) else "+".join(f"bin{k}" for k in sorted(set(chosen)))
+    return SelectiveUpdate(
+        update=name,
+        grad_norm=grad_norm,
+        n_updated=int(in_update.sum()),
+        shift=probability_shift(old_logp, new_logp, adv, mask, edges),
+    )
+
+
+def selective_sweep(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    **kwargs,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`selective_update` on all tokens, then on each bin alone: the data of the paper's whole Fig. 1.
+
+    Returns (tokens, grads): `tokens` stacks every update's per-token table with an `update` column ("all", "bin0",
+    ...); `grads` has one row per update: update, grad_norm, n_updated. `plots.fig1(tokens, grads)` draws it.
+    """
+    K = len(check_bins(kwargs.get("bins", DEFAULT_BINS))) - 1
+    runs = [
+        selective_update(model, input_ids, attention_mask, response_mask, advantages, which, **kwargs)
+        for which in [None, *([k] for k in range(K))]
+    ]
+    tokens = pd.concat([r.shift.tokens.assign(update=r.update) for r in runs], ignore_index=True)
+    grads = pd.DataFrame([{"update": r.update, "grad_norm": r.grad_norm, "n_updated": r.n_updated} for r in runs])
+    return tokens, grads

@@ -1,0 +1,105 @@
+"""Fig. 2b's measurement must not confuse "did not move" with "moved the wrong way" (issue: exact Fig. 2b).
+
+A token near p = 1 moves by ~1e-8 in log-probability under one small update. exp() of a float32 log-prob near 0 rounds
+such a move away (float32 spacing just below 1 is 6e-8), and the old rule counted a token that did not move as
+wrong; and a float32 forward's own rounding (~1e-7 in log p) is larger than the move it should measure. These tests
+pin the fixed measurement: direction from the log-prob change, ties counted apart, float64 forwards.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from lopti_lab.probes import probability_shift
+from lopti_lab.probes.shift import float64_logprobs, in_float64
+from lopti_lab.rollout import response_logprobs
+
+
+def test_tiny_moves_near_p_1_count_as_moves_and_ties_count_apart():
+    """Float32 log-probs as the trainer stores them, p_old = exp(-3e-5) = 0.99997 for every token:
+
+        token 0: A = +1, log p up by ~1e-8    -> moved up: correct
+        token 1: A = +1, log p up by ~2e-8    -> correct
+        token 2: A = -1, log p down by ~1e-8  -> moved down: correct
+        token 3: A = +1, log p unchanged      -> unmoved: neither right nor wrong
+
+    exp() in float32 gives the same probability before and after for all four, so the old measurement (delta_p =
+    exp(new) - exp(old) in float32, "did not move" = wrong) scored the A > 0 cell 0 of 3 correct. Now: 2 of the 2
+    that moved, unmoved share 1/3, and the A < 0 cell 1 of 1.
+    """
+    old = torch.full((1, 4), -3e-5, dtype=torch.float32)
+    new = old + torch.tensor([[1e-8, 2e-8, -1e-8, 0.0]], dtype=torch.float32)
+    assert (new[0, :3] != old[0, :3]).all(), "the log-probs do differ in float32"
+    assert (new.exp() == old.exp()).all(), "but their float32 probabilities do not"
+    adv = torch.tensor([[1.0, 1.0, -1.0, 1.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    shift = probability_shift(old, new, adv, mask, bins=(0, 0.5, 1))
+    table = shift.bins.set_index(["bin", "sign"])
+    assert table.loc[(1, "pos"), ["n_tokens", "n_moved"]].tolist() == [3, 2]
+    assert table.loc[(1, "pos"), "correct_ratio"] == 1.0
+    assert table.loc[(1, "pos"), "unmoved_share"] == pytest.approx(1 / 3)
+    assert table.loc[(1, "neg"), "correct_ratio"] == 1.0
+    assert shift.tokens["moved"].tolist() == [True, True, True, False]
+    # delta_p = p_old * expm1(dlogp) in float64: the move itself, not a rounding of it
+    dlogp = (new.double() - old.double())[0].numpy()
+    np.testing.assert_allclose(shift.delta_p[0].numpy(), np.exp(old.double()[0].numpy()) * np.expm1(dlogp), rtol=1e-12)
+    assert (shift.delta_p[0, :3] != 0).all()
+
+
+def test_in_float64_restores_every_weight_and_dtype_bit_for_bit(tiny_model):
+    before = {k: (v.clone(), v.dtype) for k, v in tiny_model.state_dict().items()}
+    params = list(tiny_model.parameters())
+    with in_float64(tiny_model):
+        assert all(p.dtype == torch.float64 for p in tiny_model.parameters())
+    assert [id(p) for p in tiny_model.parameters()] == [id(p) for p in params], "the same Parameter objects"
+    for k, v in tiny_model.state_dict().items():
+        assert v.dtype == before[k][1] and torch.equal(v, before[k][0]), k
+
+
+def _moves(model, ids, attn, resp, step, measure):
+    """log-prob moves of the response tokens when ``step`` is added to the weights (restored afterwards)."""
+    params = list(model.parameters())
+    saved = [p.detach().clone() for p in params]
+    before = measure()
+    with torch.no_grad():
+        for p, d in zip(params, step):
+            p.add_(d)
+    after = measure()
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    return (after.double() - before.double()).flatten()
+
+
+def test_float64_forwards_measure_a_small_step_that_float32_forwards_cannot(tiny_model, tokenizer):
+    """A weight step d so small that the response log-probs move by ~1e-8 to 1e-7 (one small update, on tokens near
+    p = 1).
+    The truth for each token's direction is the same step scaled up 1000x (moves ~1e-5, which even float32 forwards
+    resolve; first order dominates there, so the move scales linearly). float64_logprobs before and after the small
+    step agrees with that direction on every token and with its size to 2%; float32 forwards, whose own rounding
+    (~1e-7) exceeds the move, get many directions wrong."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, len(tokenizer), (4, 14))
+    attn, resp = torch.ones_like(ids), torch.ones(4, 8)
+    torch.manual_seed(1)
+    direction = [torch.randn_like(p) for p in tiny_model.parameters()]
+
+    def f32():
+        with torch.no_grad():
+            return response_logprobs(tiny_model, ids, attn, resp)[0]
+
+    def f64():
+        return float64_logprobs(tiny_model, ids, attn, resp)
+
+    # the step the float32 weights can actually take (p + d rounds), and 1000 times it
+    small = [(p.detach() + 1e-8 * d) - p.detach() for p, d in zip(tiny_model.parameters(), direction)]
+    large = [1000 * d for d in small]
+    truth = _moves(tiny_model, ids, attn, resp, large, f32) / 1000
+    moves64 = _moves(tiny_model, ids, attn, resp, small, f64)
+    moves32 = _moves(tiny_model, ids, attn, resp, small, f32)
+    assert truth.abs().min() > 1e-11
+    assert (torch.sign(moves64) == torch.sign(truth)).all()
+    # and its size: first order, so 1000x the step moves 1000x as far (measured in float64 too)
+    torch.testing.assert_close(moves64, _moves(tiny_model, ids, attn, resp, large, f64) / 1000, rtol=2e-2, atol=0)
+    agree32 = (torch.sign(moves32) == torch.sign(truth)).float().mean().item()
+    assert agree32 < 0.9, f"float32 forwards should not resolve moves this small (agreement {agree32:.2f})"
