@@ -42,7 +42,7 @@ from lopti_lab.kk import PROMPT_STYLES, Puzzle, build_prompt, load_split, score_
 from lopti_lab.models import DEFAULT_LORA_TARGETS, LoraSpec, Reference, check_model_name, load_policy
 from lopti_lab.objective import group_advantages, lopti_stages, masked_mean, policy_loss, reweight_advantages
 from lopti_lab.probes import GradientProbe, probability_shift
-from lopti_lab.rollout import Rollout, add_logprobs, response_logprobs, sample
+from lopti_lab.rollout import FAST_PATHS, Rollout, add_logprobs, response_logprobs, sample, use_lean
 
 __all__ = [
     "TrainConfig",
@@ -109,6 +109,10 @@ class TrainConfig:
     generate_batch_size: int | None = None
     """rows per generate call (GPU memory; None = the whole batch) and, without micro_batch_size, per log-prob
     forward"""
+    fast_path: str = "auto"
+    """"auto": on a CPU, Qwen2 models decode with lopti_lab's lean loop (whose sampling logits also give pi_old) and
+    run the update's forward with each prompt computed once per group; other models and GPUs use HF generate and
+    forward. "lean": require that path (fail if the model cannot take it); "hf": HF everywhere (rollout.FAST_PATHS)"""
 
     # --- optimisation ---
     lr: float = 1e-6
@@ -273,6 +277,7 @@ def _validate(c: TrainConfig) -> None:
     need(positive_int(c.max_new_tokens), "max_new_tokens", "must be an int >= 1")
     optional("max_prompt_tokens", positive_int, "must be an int >= 1")
     optional("generate_batch_size", positive_int, "must be an int >= 1")
+    need(c.fast_path in FAST_PATHS, "fast_path", f"must be one of {FAST_PATHS}")
     need(c.lr > 0, "lr", "must be > 0")
     need(c.weight_decay >= 0, "weight_decay", "must be >= 0")
     need(c.adam_eps > 0, "adam_eps", "must be > 0")
@@ -379,6 +384,7 @@ def update_policy(
                     config.temperature,
                     with_entropy=on_policy,
                     before_forward=_probe_tokens(probe, rollout, m),
+                    fast_path=config.fast_path,
                 )  # (b, T)
                 if on_policy:  # the weights are still the rollout's: this forward IS pi_old, exactly
                     sums["entropy"] += (entropy * rollout.response_mask[m]).sum()
@@ -462,6 +468,15 @@ def train_step(
     """One RL step on ``puzzles`` (prompts_per_step of them): rollout, reward, advantages, update; its metrics."""
     cfg, group = config, config.group_size
     sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    # pi_old before the update: AR weights and Lopti stages read it, a probe bins by it, and a second optimizer step
+    # needs it from the weights before the first. Plain GRPO with one optimizer step per rollout gets it exactly from
+    # its update forward instead (weights unchanged until the step), which saves a forward pass, as TRL does.
+    needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or cfg.optimizer_steps_per_stage > 1
+    # The lean decoder's sampling logits give pi_old for free: the rollout policy at the sampling temperature, which
+    # is what the ratio's denominator is (PAPER.md §2), equal to a forward's log-probs to float32 rounding
+    # (tests/test_decode.py). A probe step still takes them from a forward, so that its before/after probability
+    # shift compares two forwards' identical arithmetic.
+    from_decode = needs_old and not probe and use_lean(model, cfg.fast_path)
     t0 = time.perf_counter()
     prompts = [build_prompt(p, cfg.prompt_style, tokenizer) for p in puzzles]
     rollout = sample(
@@ -474,15 +489,13 @@ def train_step(
         top_p=cfg.top_p,
         max_prompt_tokens=cfg.max_prompt_tokens,
         batch_size=cfg.generate_batch_size,
-        with_logprobs=False,
+        with_logprobs=from_decode,
+        fast_path=cfg.fast_path,
     )
     sync()
     t1 = time.perf_counter()
-    # pi_old before the update: AR weights and Lopti stages read it, a probe bins by it, and a second optimizer step
-    # needs it from the weights before the first. Plain GRPO with one optimizer step per rollout gets it exactly from
-    # its update forward instead (weights unchanged until the step), which saves a forward pass, as TRL does.
-    needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or cfg.optimizer_steps_per_stage > 1
-    add_logprobs(model, rollout, cfg.temperature, True, reference, cfg.logprob_batch_size, policy=needs_old)
+    policy = needs_old and rollout.old_logp is None
+    add_logprobs(model, rollout, cfg.temperature, True, reference, cfg.logprob_batch_size, policy, cfg.fast_path)
     sync()
     t2 = time.perf_counter()
     rewards = score_rollout(rollout, puzzles)
