@@ -130,50 +130,96 @@ def shared_prompt_logits(
     prompt_mask: torch.Tensor,
     row_prompt: torch.Tensor,
     response_ids: torch.Tensor,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits predicting each response token, with every prompt's forward computed once for all its rows.
 
-    prompt_ids, prompt_mask: (n, P) left-padded; row_prompt: (B,) the prompt of each row; response_ids: (B, T).
-    Returns (B, T, V): row b's logits at the position before response token t (the prompt's last position for t = 0).
+    prompt_ids, prompt_mask: (n, P) left-padded; row_prompt: (B,) the prompt of each row; response_ids: (B, T);
+    lengths: (B,) real response tokens per row (None: all T). Returns (B, T, V): row b's logits at the position before
+    response token t (the prompt's last position for t = 0); positions past a row's length hold no information.
+
     A prompt's hidden states do not depend on the responses (causal attention), so computing them once and letting
     each response attend to them is the same function of the weights as B full forwards; autograd sums the G rows'
-    gradients through the shared prompt, as the B forwards would. Saves (G - 1) / G of the prompt's work.
+    gradients through the shared prompt, as the B forwards would. Saves (G - 1) / G of the prompt's work. The
+    responses run in up to MAX_BUCKETS groups of similar length (``length_buckets``), each only as long as its
+    longest row, so short responses do not pay for the longest one's padding.
     """
     lm = causal_lm(model).model
     n_resp = response_ids.shape[1]
+    if lengths is None:
+        lengths = torch.full((len(row_prompt),), n_resp, device=response_ids.device)
     x_prompt = lm.embed_tokens(prompt_ids)  # (n, P, E)
-    cos_p, sin_p = lm.rotary_emb(x_prompt, prompt_positions(prompt_mask))
-    allowed_p = prompt_allowed(prompt_mask)  # (n, 1, P, P)
-    # response token t of row b sits at position (real prompt length) + t and sees its prompt's real tokens and
-    # response tokens 0..t; it never needs to see later prompts' padding
-    start = prompt_mask.long().sum(1)[row_prompt]  # (B,)
-    x = lm.embed_tokens(response_ids[:, : n_resp - 1])  # (B, T - 1, E): the last token predicts nothing
-    positions = start[:, None] + torch.arange(n_resp - 1, device=x.device)[None]  # (B, T - 1)
-    cos_r, sin_r = lm.rotary_emb(x, positions)
-    causal = torch.ones(n_resp - 1, n_resp - 1, dtype=torch.bool, device=x.device).tril()  # (T - 1, T - 1)
-    see_prompt = prompt_mask.bool()[row_prompt][:, None, :].expand(-1, n_resp - 1, -1)  # (B, T - 1, P)
-    allowed_r = torch.cat([see_prompt, causal[None].expand(len(row_prompt), -1, -1)], dim=2)[:, None]  # (B, 1, T-1, L)
+    prompt_geometry = (*lm.rotary_emb(x_prompt, prompt_positions(prompt_mask)), prompt_allowed(prompt_mask))
+    buckets = length_buckets(lengths.clamp(min=1))
+    xs, geometries = [], []
+    for rows in buckets:
+        t = int(lengths[rows].max().clamp(min=1))  # response tokens this bucket scores
+        x = lm.embed_tokens(response_ids[rows, : t - 1])  # (b, t - 1, E): the last token predicts nothing
+        xs.append(x)
+        geometries.append(_response_geometry(lm, x, prompt_mask, row_prompt[rows]))
     checkpointed = lm.training and any(getattr(layer, "gradient_checkpointing", False) for layer in lm.layers)
     for layer in lm.layers:
-        args = (layer, x_prompt, x, (cos_p, sin_p, allowed_p), (cos_r, sin_r, allowed_r), row_prompt)
+        args = (layer, x_prompt, prompt_geometry, geometries, *xs)
         if checkpointed:  # recompute the layer in backward, as HF's checkpointed layers do
-            x_prompt, x = checkpoint(_shared_prompt_layer, *args, use_reentrant=False)
+            x_prompt, *xs = checkpoint(_shared_prompt_layer, *args, use_reentrant=False)
         else:
-            x_prompt, x = _shared_prompt_layer(*args)
-    last = x_prompt[:, -1][row_prompt][:, None]  # (B, 1, E): predicts response token 0
-    hidden = lm.norm(torch.cat([last, x], dim=1))  # (B, T, E)
-    return causal_lm(model).lm_head(hidden)  # (B, T, V)
+            x_prompt, *xs = _shared_prompt_layer(*args)
+    last = x_prompt[:, -1]  # (n, E): predicts response token 0
+    hidden = torch.cat(
+        [
+            F.pad(torch.cat([last[row_prompt[rows]][:, None], x], 1), (0, 0, 0, n_resp - 1 - x.shape[1]))
+            for rows, x in zip(buckets, xs, strict=True)
+        ]
+    )  # fmt: skip  (B, T, E) in bucket order
+    order = torch.cat(buckets)
+    hidden = hidden[torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))]
+    return causal_lm(model).lm_head(lm.norm(hidden))  # (B, T, V) in row order
 
 
-def _shared_prompt_layer(layer, x_prompt, x, prompt_geometry, response_geometry, row_prompt):
-    """One decoder layer over the prompts (n, P, E) and the responses (B, T - 1, E) that attend to them."""
+MAX_BUCKETS = 4
+"""At most this many response-length groups per shared-prompt forward (each costs a few more small ops per layer)."""
+
+
+def length_buckets(lengths: torch.Tensor, max_buckets: int = MAX_BUCKETS) -> list[torch.Tensor]:
+    """Row indices split into groups of similar length: the rows sorted by length, cut into k equal-count groups,
+    k the largest (up to max_buckets) that still cuts the padded tokens sum(rows x longest) by 10% over k - 1.
+
+    Example: lengths (10, 90, 12, 88) -> [rows 0, 2], [rows 3, 1]: 2 x 12 + 2 x 90 = 204 padded tokens, not 360."""
+    order = lengths.argsort(stable=True)
+    best, best_cost = [order], len(order) * int(lengths.max())
+    for k in range(2, min(max_buckets, len(order)) + 1):
+        parts = list(order.tensor_split(k))
+        cost = sum(len(part) * int(lengths[part].max()) for part in parts)
+        if cost > 0.9 * best_cost:
+            break
+        best, best_cost = parts, cost
+    return best
+
+
+def _response_geometry(lm, x: torch.Tensor, prompt_mask: torch.Tensor, row_prompt: torch.Tensor):
+    """Rotary cos, sin and the attention mask of responses x (b, t', E) over [their prompt (P) | themselves (t')]:
+    response token j sits at position (real prompt length) + j and sees its prompt's real tokens and tokens 0..j."""
+    n_fed = x.shape[1]
+    start = prompt_mask.long().sum(1)[row_prompt]  # (b,)
+    positions = start[:, None] + torch.arange(n_fed, device=x.device)[None]  # (b, t')
+    cos, sin = lm.rotary_emb(x, positions)
+    causal = torch.ones(n_fed, n_fed, dtype=torch.bool, device=x.device).tril()  # (t', t')
+    see_prompt = prompt_mask.bool()[row_prompt][:, None, :].expand(-1, n_fed, -1)  # (b, t', P)
+    allowed = torch.cat([see_prompt, causal[None].expand(len(row_prompt), -1, -1)], dim=2)[:, None]  # (b, 1, t', L)
+    return cos, sin, allowed, row_prompt
+
+
+def _shared_prompt_layer(layer, x_prompt, prompt_geometry, response_geometries, *xs):
+    """One decoder layer over the prompts (n, P, E) and each bucket's responses (b, t', E) that attend to them."""
     cos_p, sin_p, allowed_p = prompt_geometry
-    cos_r, sin_r, allowed_r = response_geometry
     q_p, k_p, v_p = layer_input(layer, x_prompt, cos_p, sin_p)
-    x_prompt_next = layer_output(layer, x_prompt, attend(layer, q_p, k_p, v_p, allowed_p))
-    if x.shape[1] == 0:  # one response token: only the prompt's last position predicts
-        return x_prompt_next, x
-    q_r, k_r, v_r = layer_input(layer, x, cos_r, sin_r)
-    k = torch.cat([k_p[row_prompt], k_r], dim=2)  # (B, K, P + T - 1, D)
-    v = torch.cat([v_p[row_prompt], v_r], dim=2)
-    return x_prompt_next, layer_output(layer, x, attend(layer, q_r, k, v, allowed_r))
+    out = [layer_output(layer, x_prompt, attend(layer, q_p, k_p, v_p, allowed_p))]
+    for x, (cos, sin, allowed, row_prompt) in zip(xs, response_geometries, strict=True):
+        if x.shape[1] == 0:  # one response token: only the prompt's last position predicts
+            out.append(x)
+            continue
+        q, k, v = layer_input(layer, x, cos, sin)
+        k = torch.cat([k_p[row_prompt], k], dim=2)  # (b, K, P + t', D)
+        v = torch.cat([v_p[row_prompt], v], dim=2)
+        out.append(layer_output(layer, x, attend(layer, q, k, v, allowed)))
+    return tuple(out)

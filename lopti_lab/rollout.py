@@ -124,7 +124,8 @@ def response_logprobs(
     ids = input_ids[:, start : n_prompt + t]  # (B, L')
     mask = attention_mask[:, start : n_prompt + t]  # (B, L')
     if before_forward is None and use_lean(model, fast_path):
-        logits = _shared_prompt_forward(model, ids, mask, n_prompt - start)  # (B, t, V)
+        lengths = response_mask.sum(1).long()  # (B,)
+        logits = _shared_prompt_forward(model, ids, mask, n_prompt - start, lengths)  # (B, t, V)
         logp, entropy = token_logprobs(logits, ids[:, -t:], temperature, with_entropy)  # (B, t)
     else:
         if before_forward is not None:
@@ -142,13 +143,14 @@ def response_logprobs(
     return logp, entropy
 
 
-def _shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, n_prompt: int) -> torch.Tensor:
+def _shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, n_prompt: int, lengths) -> torch.Tensor:
     """Logits (B, t, V) predicting the response columns of ids (B, n_prompt + t), each distinct prompt (its ids and
-    padding) computed once."""
+    padding) computed once; lengths (B,): the real response tokens of each row."""
     prompt_ids, prompt_mask = ids[:, :n_prompt], mask[:, :n_prompt]  # (B, P)
     keys = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # (B, 2P)
     distinct, row_prompt = torch.unique(keys, dim=0, return_inverse=True)  # (n, 2P), (B,)
-    return shared_prompt_logits(model, distinct[:, :n_prompt], distinct[:, n_prompt:], row_prompt, ids[:, n_prompt:])
+    prompt_ids, prompt_mask = distinct[:, :n_prompt], distinct[:, n_prompt:]
+    return shared_prompt_logits(model, prompt_ids, prompt_mask, row_prompt, ids[:, n_prompt:], lengths)
 
 
 def add_logprobs(

@@ -47,6 +47,7 @@ from lopti_lab.rollout import FAST_PATHS, Rollout, add_logprobs, response_logpro
 __all__ = [
     "TrainConfig",
     "TrainResult",
+    "accuracy_se",
     "advantages_and_stages",
     "evaluate",
     "load_trained",
@@ -580,13 +581,15 @@ def evaluate(
     batch_size: int | None = None,
     seed: int = 0,
     prefix: str = "eval",
+    fast_path: str = "auto",
 ) -> dict[str, float]:
     """Test accuracy (share of completions with reward 3) by people count, greedy and/or ``samples`` sampled
-    completions per puzzle at ``temperature``.
+    completions per puzzle at ``temperature``, each with its standard error.
 
     Keys: ``{prefix}/{mode}/acc_{n}ppl``, ``{prefix}/{mode}/acc_all`` (the mean over people counts, the paper's
-    "avg"), ``{prefix}/{mode}/format_error_rate`` and ``{prefix}/{mode}/len_mean``. Sampling runs under a forked
-    torch RNG seeded with ``seed``, so evaluating never changes the training run's random stream.
+    "avg"), each with an ``_se`` twin (``accuracy_se``), ``{prefix}/{mode}/format_error_rate`` and
+    ``{prefix}/{mode}/len_mean``. Sampling runs under a forked torch RNG seeded with ``seed``, so evaluating never
+    changes the training run's random stream. ``fast_path``: the decoder (``rollout.FAST_PATHS``).
     """
     puzzles = list(puzzles)
     if not puzzles:
@@ -609,16 +612,34 @@ def evaluate(
                 greedy=mode == "greedy",
                 batch_size=batch_size,
                 with_logprobs=False,
+                fast_path=fast_path,
             )
         rewards = score_rollout(rollout, puzzles)
-        correct = np.array([r.total == 3.0 for r in rewards], dtype=float)  # (puzzles x group,)
-        row_people = np.repeat(people, group)
-        per_people = {int(n): float(correct[row_people == n].mean()) for n in sorted(set(people.tolist()))}
+        correct = np.array([r.total == 3.0 for r in rewards], dtype=float).reshape(len(puzzles), group)  # (n, G)
+        counts = sorted(set(people.tolist()))
+        per_people = {n: float(correct[people == n].mean()) for n in counts}
+        se = {n: accuracy_se(correct[people == n]) for n in counts}
         out.update({f"{prefix}/{mode}/acc_{n}ppl": acc for n, acc in per_people.items()})
+        out.update({f"{prefix}/{mode}/acc_{n}ppl_se": value for n, value in se.items()})
         out[f"{prefix}/{mode}/acc_all"] = float(np.mean(list(per_people.values())))
+        out[f"{prefix}/{mode}/acc_all_se"] = math.sqrt(sum(v**2 for v in se.values())) / len(counts)
         out[f"{prefix}/{mode}/format_error_rate"] = float(np.mean([r.format_score < 0 for r in rewards]))
         out[f"{prefix}/{mode}/len_mean"] = rollout.lengths.float().mean().item()
     return out
+
+
+def accuracy_se(correct: np.ndarray) -> float:
+    """Standard error of the accuracy of n puzzles x G completions, correct: (n, G) of 0/1.
+
+    The puzzles are the independent units (a puzzle's completions share its difficulty, so they are not
+    independent draws): the accuracy is the mean of the n per-puzzle means c_i, and its standard error is
+    sd(c_i) / sqrt(n) (sample sd, ddof 1), the cluster-robust binomial error. G = 1 gives the binomial
+    sqrt(p (1 - p) / (n - 1)). Example: correct [[1, 0], [1, 1], [0, 0], [1, 0]] has c = (0.5, 1, 0, 0.5), accuracy
+    0.5, sd 0.408, SE 0.204 (treating the 8 completions as independent would give 0.189). NaN for one puzzle."""
+    per_puzzle = correct.mean(1)  # (n,)
+    if len(per_puzzle) < 2:
+        return math.nan
+    return float(per_puzzle.std(ddof=1) / math.sqrt(len(per_puzzle)))
 
 
 # --- the loop ---------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2C
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from lopti_lab.decode import lean_generate, pick_tokens, top_p_filter
-from lopti_lab.lean_qwen2 import lean_unsupported
+from lopti_lab.lean_qwen2 import lean_unsupported, length_buckets
 from lopti_lab.rollout import add_logprobs, response_logprobs, sample, use_lean
 
 PROMPTS = [
@@ -229,10 +229,21 @@ def test_lab_model_matches_hf_generate():
     torch.testing.assert_close(out.logp.double(), chosen, atol=2e-5, rtol=0)
 
 
+def rms_norm_in_float64(self, hidden_states):
+    """Qwen2RMSNorm in the input's dtype: HF's casts to float32 even in a float64 model, and the shared prompt's
+    gradient is summed over its rows before that norm's backward instead of after, so float32 rounding would show."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
 @pytest.mark.parametrize("variant", ["gqa-tied", "mqa-untied-theta", "mha-head_dim", "lora", "checkpointing"])
-def test_shared_prompt_forward_equals_hf_forward_and_gradients(tok, variant):
+def test_shared_prompt_forward_equals_hf_forward_and_gradients(tok, variant, monkeypatch):
     """float64: log-probs, entropies and the gradient of a policy-gradient loss through the shared-prompt forward
-    equal those through HF's forward of every row (the prompt's rows share it; autograd sums their gradients)."""
+    equal those through HF's forward of every row (the prompt's rows share it; autograd sums their gradients; the
+    responses run in length buckets)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    monkeypatch.setattr(Qwen2RMSNorm, "forward", rms_norm_in_float64)
     model = qwen2(len(tok), SHAPES.get(variant, SHAPES["gqa-tied"]), torch.float64)
     if variant == "lora":
         from peft import LoraConfig, get_peft_model
@@ -244,8 +255,10 @@ def test_shared_prompt_forward_equals_hf_forward_and_gradients(tok, variant):
                     p.normal_(0, 0.1)
     if variant == "checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.generation_config.eos_token_id = stops_for(len(tok))  # responses of many lengths: several buckets
     torch.manual_seed(0)
-    rollout = sample(model, tok, PROMPTS, 3, max_new_tokens=12, temperature=0.8, with_logprobs=False)
+    rollout = sample(model, tok, PROMPTS, 4, max_new_tokens=16, temperature=0.8, with_logprobs=False)
+    assert len(length_buckets(rollout.lengths.long())) > 1
     advantages = torch.randn(len(rollout), 1, dtype=torch.float64)
     model.train()
     results = {}
@@ -260,11 +273,8 @@ def test_shared_prompt_forward_equals_hf_forward_and_gradients(tok, variant):
     torch.testing.assert_close(logp_lean, logp_hf, atol=1e-10, rtol=0)
     torch.testing.assert_close(ent_lean, ent_hf, atol=1e-10, rtol=0)
     assert grad_hf.keys() == grad_lean.keys() and grad_hf
-    # HF's RMSNorm runs in float32 even in a float64 model, and the shared prompt's gradient is summed over its rows
-    # before that norm's backward, not after: float32 rounding (6e-8) of each gradient's scale, not float64's
     for name in grad_hf:
-        scale = grad_hf[name].abs().max()
-        assert (grad_lean[name] - grad_hf[name]).abs().max() <= 1e-7 * scale, name
+        torch.testing.assert_close(grad_lean[name], grad_hf[name], atol=1e-11, rtol=1e-9)
 
 
 def test_lean_sample_keeps_the_rollout_contract(tok):
@@ -321,3 +331,12 @@ def test_the_path_choice_is_explicit(tok, monkeypatch):
 
     with pytest.raises(ValueError, match="fast_path"):
         TrainConfig(fast_path="fastest")
+
+
+def test_length_buckets():
+    """The docstring's case, then: every row in exactly one bucket, and equal lengths stay one bucket."""
+    buckets = length_buckets(torch.tensor([10, 90, 12, 88]))
+    assert [b.tolist() for b in buckets] == [[0, 2], [3, 1]]
+    lengths = torch.randint(1, 200, (64,), generator=torch.Generator().manual_seed(0))
+    assert sorted(torch.cat(length_buckets(lengths)).tolist()) == list(range(64))
+    assert len(length_buckets(torch.full((8,), 5))) == 1

@@ -271,6 +271,32 @@ def test_evaluate_reports_accuracy_by_people(config, monkeypatch):
     assert torch.equal(rng, torch.get_rng_state())  # evaluation does not consume the training RNG
 
 
+def test_accuracy_standard_errors(config, monkeypatch):
+    """accuracy_se: the docstring's case (per-puzzle means 0.5, 1, 0, 0.5: sd 0.408 / sqrt 4 = 0.204), the binomial
+    sqrt(p (1 - p) / (n - 1)) for one completion per puzzle; evaluate's _se keys, acc_all's from its strata."""
+    import numpy as np
+
+    correct = np.array([[1, 0], [1, 1], [0, 0], [1, 0]], dtype=float)
+    assert trainer.accuracy_se(correct) == pytest.approx(0.2041241452)
+    assert trainer.accuracy_se(np.array([[1.0], [0.0], [0.0], [1.0], [1.0]])) == pytest.approx(math.sqrt(0.6 * 0.4 / 4))
+    assert math.isnan(trainer.accuracy_se(np.array([[1.0, 0.0]])))
+    seen = []
+
+    def alternating(text, puzzle):  # completions alternate right / wrong in the order they are scored
+        seen.append(puzzle)
+        return Reward(3.0 if len(seen) % 2 else -3.0, 1, 2)
+
+    monkeypatch.setattr(trainer, "score_response", alternating)
+    model, tokenizer = load_policy(config.model, None, device="cpu")
+    puzzles = load_split("test", [3, 4], limit=3)
+    out = evaluate(model, tokenizer, puzzles, prompt_style="base", max_new_tokens=2, modes=("sample",), samples=2)
+    # every puzzle has one right and one wrong completion: accuracy 0.5 with zero spread between puzzles
+    assert out["eval/sample/acc_3ppl"] == 0.5 and out["eval/sample/acc_3ppl_se"] == 0.0
+    out = evaluate(model, tokenizer, puzzles, prompt_style="base", max_new_tokens=2, modes=("greedy",))
+    se3, se4 = out["eval/greedy/acc_3ppl_se"], out["eval/greedy/acc_4ppl_se"]
+    assert se3 > 0 and out["eval/greedy/acc_all_se"] == pytest.approx(math.sqrt(se3**2 + se4**2) / 2)
+
+
 def test_cli_train_and_eval(config, capsys):
     from lopti_lab.cli import main
 
