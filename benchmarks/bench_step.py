@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_step.py                          # lab model, the demo's step, 2 threads
     .venv/bin/python benchmarks/bench_step.py --model wide             # a random Qwen2, hidden 384 x 8 layers (13M)
     .venv/bin/python benchmarks/bench_step.py --threads 1 2 --steps 3  # thread settings
+    .venv/bin/python benchmarks/bench_step.py --eval                   # the demo's test evaluation, with SEs
 
 The step is `trainer.train_step` at the demo's settings (`experiments.DemoConfig`: 8 three-person puzzles x 8
 samples, prompt style chat_quiz, max_new_tokens 200, T 0.7, minibatches of 32, full fine-tuning, GRPO, no probe),
@@ -20,6 +21,11 @@ rate measured in the same run at the same thread count (4096^3, and the model's 
 - update: 3 x that forward per pass over the batch (forward + backward ~ 3 forwards).
 "floor" counts every row's prompt (the step as HF runs it, the issue's accounting); "lean floor" counts the work
 the lean step must still do: each prompt once per group in prefill and update, no log-prob pass.
+
+``--eval`` times `trainer.evaluate` at the demo's settings (test split, 2-5 people x 100 puzzles, greedy and 2
+samples per puzzle at T = 1.0, 200 new tokens) on both paths and prints each accuracy with its standard error
+(`trainer.accuracy_se`); at equal sample sizes the SEs agree up to sampling noise, so the time ratio is the cost
+ratio per point of precision (time x SE^2 is constant as the sample grows).
 """
 
 from __future__ import annotations
@@ -166,7 +172,13 @@ def main() -> None:
     parser.add_argument("--model", choices=["lab", "wide"], default="lab")
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
     parser.add_argument("--steps", type=int, default=4, help="measured steps per path (after one warm-up step)")
+    parser.add_argument("--eval", action="store_true", help="time the demo's test evaluation instead of a step")
     args = parser.parse_args()
+    if args.eval:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            bench_eval(threads)
+        return
 
     lab, tokenizer = load_policy("lab", lora=None)
     base = lab if args.model == "lab" else wide_model(tokenizer)
@@ -212,47 +224,74 @@ def main() -> None:
 
 
 def report(threads, rates, results, shape, cfg, passes, log_ratio) -> None:
-    def med(path, key, clock):  # clock 0: CPU, 1: wall
+    """The table: per phase, FLOP (floor / lean floor), floor seconds at the 4096^3 rate, and each path's median
+    wall seconds with its multiple of the floor (the lean path also of its own floor); CPU seconds in brackets."""
+
+    def med(path, key, clock=1):  # clock 0: CPU seconds, 1: wall seconds
         return statistics.median(r[key][clock] if key in r else 0.0 for r in results[path])
 
-    lens = {p: [statistics.mean(sum(r[k]) / len(r[k]) for r in results[p]) for k in ("prompt_lens", "response_lens")]
-            for p in results}  # fmt: skip
     flops = {p: [phase_flops(shape, r["prompt_lens"], r["response_lens"], cfg.group_size, passes) for r in results[p]]
              for p in results}  # fmt: skip
-    print(f"\ntorch threads {threads}; fp32 GEMM GFLOP/s (wall / per CPU second): "
+
+    def flop(path, parts, which):  # which 0: floor, 1: lean floor
+        return statistics.median(sum(f[k][which] for k in parts) for f in flops[path])
+
+    peak_wall, peak_cpu = rates["4096^3"]
+    print(f"\ntorch threads {threads}; fp32 GEMM GFLOP/s, wall / per CPU second: "
           + ", ".join(f"{k} {w:.0f} / {c:.0f}" for k, (w, c) in rates.items()))  # fmt: skip
     for p in results:
-        print(f"  {p}: mean prompt {lens[p][0]:.1f} tokens, mean response {lens[p][1]:.1f} tokens")
-    peak_wall, peak_cpu = rates["4096^3"]
-    phase_of = {"prefill": "generate", "decode": "generate", "logprob": "logprob", "update": "update"}
-    print("  phase     floor GFLOP  lean GFLOP  floor s   before s (x floor)   after s (x floor, x lean floor)   "
-          "[CPU s before / after]")  # fmt: skip
-    totals = {"floor": 0.0, "lean": 0.0}
-    for phase in ("generate", "logprob", "update"):
-        parts = [k for k, v in phase_of.items() if v == phase]
-        floor = statistics.median(sum(f[k][0] for k in parts) for f in flops["hf"])
-        lean = statistics.median(sum(f[k][1] for k in parts) for f in flops["lean"])
-        totals["floor"] += floor
-        totals["lean"] += lean
+        prompt = statistics.mean(statistics.mean(r["prompt_lens"]) for r in results[p])
+        response = statistics.mean(statistics.mean(r["response_lens"]) for r in results[p])
+        print(f"  {p}: mean prompt {prompt:.1f} tokens, mean response {response:.1f} tokens")
+    print(f"  {'phase':9s} {'GFLOP':>7s} {'lean':>6s} {'floor s':>8s} | {'before s':>8s} {'x floor':>7s} | "
+          f"{'after s':>7s} {'x floor':>7s} {'x lean':>6s} | CPU s before / after")  # fmt: skip
+    everything = ["prefill", "decode", "logprob", "update"]
+    rows = [("prefill", ["prefill"], None), ("decode", ["decode"], None),
+            ("generate", ["prefill", "decode"], "generate"), ("logprob", ["logprob"], "logprob"),
+            ("update", ["update"], "update"), ("step", everything, "step")]  # fmt: skip
+    for name, parts, timed in rows:
+        floor, lean = flop("hf", parts, 0), flop("lean", parts, 1)
         floor_s, lean_s = floor / peak_wall / 1e9, lean / peak_wall / 1e9
-        before, after = med("hf", phase, 1), med("lean", phase, 1)
-        lean_x = f"{after / lean_s:.2f}" if lean_s else "-"
-        print(f"  {phase:9s} {floor / 1e9:10.1f}  {lean / 1e9:10.1f}  {floor_s:7.2f}   {before:6.2f} ({before / floor_s:5.2f})"
-              f"         {after:6.2f} ({after / floor_s:5.2f}, {lean_x})"
-              f"             [{med('hf', phase, 0):.2f} / {med('lean', phase, 0):.2f}]")  # fmt: skip
-        if phase == "generate":
-            for k in parts:
-                print(f"    {k:7s} {statistics.median(f[k][0] for f in flops['hf']) / 1e9:10.1f}  "
-                      f"{statistics.median(f[k][1] for f in flops['lean']) / 1e9:10.1f}")  # fmt: skip
-    floor_s, lean_s = totals["floor"] / peak_wall / 1e9, totals["lean"] / peak_wall / 1e9
-    before, after = med("hf", "step", 1), med("lean", "step", 1)
-    print(f"  step      {totals['floor'] / 1e9:10.1f}  {totals['lean'] / 1e9:10.1f}  {floor_s:7.2f}   {before:6.2f} "
-          f"({before / floor_s:5.2f})         {after:6.2f} ({after / floor_s:5.2f}, {after / lean_s:.2f})"
-          f"             [{med('hf', 'step', 0):.2f} / {med('lean', 'step', 0):.2f}]")  # fmt: skip
-    print(f"  speedup (wall) {before / after:.2f}x; CPU {med('hf', 'step', 0) / med('lean', 'step', 0):.2f}x; "
-          f"floor by CPU-second GEMM rate: before {med('hf', 'step', 0) / (totals['floor'] / peak_cpu / 1e9):.2f}x, "
-          f"after {med('lean', 'step', 0) / (totals['floor'] / peak_cpu / 1e9):.2f}x floor")  # fmt: skip
+        line = f"  {name:9s} {floor / 1e9:7.1f} {lean / 1e9:6.1f} {floor_s:8.2f} |"
+        if timed is not None:
+            before, after = med("hf", timed), med("lean", timed)
+            lean_x = f"{after / lean_s:6.2f}" if lean_s else f"{'-':>6s}"
+            line += f" {before:8.2f} {before / floor_s:7.2f} | {after:7.2f} {after / floor_s:7.2f} {lean_x} |"
+            line += f" {med('hf', timed, 0):.2f} / {med('lean', timed, 0):.2f}"
+        print(line)
+    floor_cpu = flop("hf", everything, 0) / peak_cpu / 1e9  # the floor in CPU seconds
+    print(f"  speedup: {med('hf', 'step') / med('lean', 'step'):.2f}x wall, "
+          f"{med('hf', 'step', 0) / med('lean', 'step', 0):.2f}x CPU; against the per-CPU-second GEMM rate the step "
+          f"is {med('hf', 'step', 0) / floor_cpu:.2f}x (before) and {med('lean', 'step', 0) / floor_cpu:.2f}x (after) "
+          "its floor")  # fmt: skip
     print(f"  first update's ratio on the lean path: max |log pi_update - log pi_old(decode)| = {log_ratio:.2e}")
+
+
+def bench_eval(threads: int) -> None:
+    """The demo's final evaluation on both paths: wall and CPU seconds, and every accuracy with its SE."""
+    from lopti_lab.labmodel import LAB_PROMPT_STYLE
+
+    demo = DemoConfig()
+    model, tokenizer = load_policy("lab", lora=None)
+    test = load_split("test", demo.eval_people, limit=demo.eval_size)
+    print(f"torch threads {threads}; {len(test)} test puzzles ({demo.eval_people} people), greedy + "
+          f"{demo.eval_samples} samples at T = 1.0, {demo.max_new_tokens} new tokens")  # fmt: skip
+    seconds, metrics = {}, {}
+    for path in ("hf", "lean"):
+        wall, cpu = time.perf_counter(), time.process_time()
+        metrics[path] = trainer.evaluate(
+            model, tokenizer, test, prompt_style=LAB_PROMPT_STYLE, max_new_tokens=demo.max_new_tokens,
+            samples=demo.eval_samples, seed=0, fast_path=path,
+        )  # fmt: skip
+        seconds[path] = (time.perf_counter() - wall, time.process_time() - cpu)
+        print(f"  {path:4s}: {seconds[path][0]:6.1f} s wall, {seconds[path][1]:6.1f} s CPU")
+    for key in sorted(k for k in metrics["hf"] if "/acc_" in k and not k.endswith("_se")):
+        cells = [f"{metrics[p][key]:.3f} ± {metrics[p][key + '_se']:.3f}" for p in ("hf", "lean")]
+        print(f"  {key:28s} hf {cells[0]}   lean {cells[1]}")
+    cost = {p: seconds[p][0] * metrics[p]["eval/sample/acc_all_se"] ** 2 for p in seconds}
+    print(f"  time ratio hf / lean: {seconds['hf'][0] / seconds['lean'][0]:.2f}x wall, "
+          f"{seconds['hf'][1] / seconds['lean'][1]:.2f}x CPU; wall x SE^2 of eval/sample/acc_all: "
+          f"hf {cost['hf']:.2e}, lean {cost['lean']:.2e}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ growing KV cache was 37% of generate's CPU time, benchmarks/README.md "Lab RL st
 
 The token selection is HF's arithmetic step by step: logits in float32, divided by the temperature, top-p as HF's
 TopPLogitsWarper (smallest tokens removed while their cumulative mass is <= 1 - top_p, the top token always kept),
-softmax, one ``torch.multinomial`` draw per live row; greedy takes the argmax. Until the first compaction the batch
+softmax, one ``torch.multinomial`` draw per row of the batch; greedy takes the argmax. Until the first compaction the batch
 is HF's, so under the same torch seed the tokens are HF's too (tests/test_decode.py); after it the draws are spent
 on fewer rows, so they differ in value but not in distribution.
 
@@ -33,9 +33,11 @@ from lopti_lab.lean_qwen2 import attend_one, causal_lm, layer_input, layer_outpu
 
 __all__ = ["DEAD_SHARE", "Decoded", "lean_generate", "pick_tokens", "top_p_filter"]
 
-DEAD_SHARE = 0.25
+DEAD_SHARE = 0.125
 """Compact the batch once this share of its rows has finished. Compacting copies the live rows' KV cache (about one
-decode step's attention reads); decoding a dead row wastes its share of every step until then."""
+decode step's attention reads); decoding a dead row wastes its share of every step until then. Measured (lab model,
+the demo's 64-row rollouts, 1 thread, CPU seconds, mean of 6): 2.31 s at 0.05, 2.30 at 0.125, 2.35 at 0.25, 2.48
+at 0.5, 3.24 never compacting."""
 
 
 @dataclass

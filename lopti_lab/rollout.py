@@ -7,6 +7,9 @@ Layout of one row (the contract the trainer and the probes share): ``input_ids =
 L = P + T, the prompt left-padded to P, the response right-padded to T, so the response is always the LAST T
 positions and the logits at input position L - T - 1 + t predict response token t.
 
+Two paths compute the same thing (``fast_path``, FAST_PATHS): on a CPU a Qwen2 takes the lean path (decode.py's
+loop, lean_qwen2.py's shared-prompt forward), anything else HF generate and forward.
+
 Shape legend: B rows = prompts x G (a prompt's G completions are contiguous), P prompt tokens, T response tokens,
 V vocabulary.
 """
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lopti_lab.decode import lean_generate
-from lopti_lab.lean_qwen2 import lean_unsupported, shared_prompt_logits
+from lopti_lab.lean_qwen2 import causal_lm, lean_unsupported, shared_prompt_logits
 from lopti_lab.objective import token_logprobs
 
 __all__ = ["FAST_PATHS", "Rollout", "add_logprobs", "response_logprobs", "sample", "stop_token_ids", "use_lean"]
@@ -207,7 +210,22 @@ def add_logprobs(
 CPU_GENERATE_ROWS = 64
 """Rows per generate call on a CPU when the caller sets none. Measured on the 2-core machine with the lab model
 (400 sampled completions of 3-person puzzles, 200 new tokens, 2 threads): 13.9 s in calls of 64 rows, 15.8 s of 32,
-17.0 s of 128, and over 10 minutes in one call of 400 (the KV cache, copied at every token, outgrows the caches)."""
+17.0 s of 128, and over 10 minutes in one call of 400 (the KV cache, copied at every token, outgrows the caches).
+The lean decoder writes its cache in place, so it takes as many rows per call as LEAN_CACHE_BYTES of cache holds."""
+
+LEAN_CACHE_BYTES = 2**30
+"""KV-cache budget of one lean decode call (rows per call when the caller sets none). Measured on the 2-core machine
+(lab model, 400 sampled completions, 1 thread, CPU seconds): 22.3 s in calls of 64 rows, 19.8 of 128, 18.7 of 400
+(fewer calls: fewer steps whose cost is mostly reading the weights once)."""
+
+
+def _lean_rows(model, n_prompt: int, max_new_tokens: int) -> int:
+    """Rows whose KV cache (every layer's keys and values at P + max_new_tokens positions) fits LEAN_CACHE_BYTES."""
+    config = causal_lm(model).config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    per_row = per_position * (n_prompt + max_new_tokens) * next(model.parameters()).element_size()
+    return max(1, LEAN_CACHE_BYTES // per_row)
 
 
 def sample(
@@ -242,7 +260,8 @@ def sample(
     arithmetic (tests/test_decode.py).
 
     batch_size caps the rows per generate call, logprob_batch_size the rows per log-prob forward (GPU memory). On a
-    CPU, batch_size=None means CPU_GENERATE_ROWS rows per call (on a GPU: all rows in one call).
+    CPU, batch_size=None means CPU_GENERATE_ROWS rows per HF call, or on the lean path as many as LEAN_CACHE_BYTES
+    of KV cache holds (on a GPU: all rows in one call).
     """
     if group_size < 1 or not prompts:
         raise ValueError(f"need at least one prompt and group_size >= 1, got {len(prompts)} prompts, G={group_size}")
@@ -256,12 +275,14 @@ def sample(
     prompt_mask = unique_mask.repeat_interleave(group_size, dim=0)  # (B, P)
     stops = stop_token_ids(model, tokenizer)
     n_rows = prompt_ids.shape[0]
-    if batch_size is None:
-        batch_size = n_rows if device.type == "cuda" else min(n_rows, CPU_GENERATE_ROWS)
     was_training = model.training
     model.eval()
     try:
         lean = use_lean(model, fast_path)
+        if batch_size is None and lean:
+            batch_size = min(n_rows, max(group_size, _lean_rows(model, prompt_ids.shape[1], max_new_tokens)))
+        elif batch_size is None:
+            batch_size = n_rows if device.type == "cuda" else min(n_rows, CPU_GENERATE_ROWS)
         decode = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "greedy": greedy}
         with torch.inference_mode():
             if lean:
