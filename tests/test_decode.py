@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from tiny import tiny_qwen2, tiny_tokenizer
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from lopti_lab.decode import lean_generate, pick_tokens, top_p_filter
@@ -42,16 +42,7 @@ def qwen2(vocab: int, shape: dict, dtype=torch.float32, seed: int = 0) -> Qwen2F
     decisions are not near-ties, and temperature and top-p visibly change the distribution."""
     shape = dict(shape)
     hidden, layers = shape.pop("hidden_size", 32), shape.pop("layers", 2)
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        max_position_embeddings=512,
-        **{"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True, **shape},
-    )
-    model = Qwen2ForCausalLM(config).to(dtype).eval()
+    model = tiny_qwen2(vocab, hidden, layers, seed, **shape).to(dtype)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     return model
