@@ -225,7 +225,7 @@ def main() -> None:
 
 def report(threads, rates, results, shape, cfg, passes, log_ratio) -> None:
     """The table: per phase, FLOP (floor / lean floor), floor seconds at the 4096^3 rate, and each path's median
-    wall seconds with its multiple of the floor (the lean path also of its own floor); CPU seconds in brackets."""
+    wall and CPU seconds, each with its multiple of the floor (the lean path's CPU seconds also of its own floor)."""
 
     def med(path, key, clock=1):  # clock 0: CPU seconds, 1: wall seconds
         return statistics.median(r[key][clock] if key in r else 0.0 for r in results[path])
@@ -236,34 +236,37 @@ def report(threads, rates, results, shape, cfg, passes, log_ratio) -> None:
     def flop(path, parts, which):  # which 0: floor, 1: lean floor
         return statistics.median(sum(f[k][which] for k in parts) for f in flops[path])
 
-    peak_wall, peak_cpu = rates["4096^3"]
+    peak_wall = statistics.mean(rates[k][0] for k in ("4096^3", "4096^3 (after)"))
+    peak_cpu = statistics.mean(rates[k][1] for k in ("4096^3", "4096^3 (after)"))
     print(f"\ntorch threads {threads}; fp32 GEMM GFLOP/s, wall / per CPU second: "
           + ", ".join(f"{k} {w:.0f} / {c:.0f}" for k, (w, c) in rates.items()))  # fmt: skip
     for p in results:
         prompt = statistics.mean(statistics.mean(r["prompt_lens"]) for r in results[p])
         response = statistics.mean(statistics.mean(r["response_lens"]) for r in results[p])
         print(f"  {p}: mean prompt {prompt:.1f} tokens, mean response {response:.1f} tokens")
-    print(f"  {'phase':9s} {'GFLOP':>7s} {'lean':>6s} {'floor s':>8s} | {'before s':>8s} {'x floor':>7s} | "
-          f"{'after s':>7s} {'x floor':>7s} {'x lean':>6s} | CPU s before / after")  # fmt: skip
+    print("  floors at the mean 4096^3 rate; 'x' columns: wall s / wall floor, CPU s / CPU floor (per-CPU-second rate)")
+    x_cells = f"{'x':>5s} {'CPU s':>6s} {'x':>5s}"
+    print(f"  {'phase':9s} {'GFLOP':>7s} {'lean':>6s} {'floor s':>7s} | {'before':>6s} {x_cells} | "
+          f"{'after':>6s} {x_cells} {'x lean':>6s}")  # fmt: skip
     everything = ["prefill", "decode", "logprob", "update"]
     rows = [("prefill", ["prefill"], None), ("decode", ["decode"], None),
             ("generate", ["prefill", "decode"], "generate"), ("logprob", ["logprob"], "logprob"),
             ("update", ["update"], "update"), ("step", everything, "step")]  # fmt: skip
     for name, parts, timed in rows:
-        floor, lean = flop("hf", parts, 0), flop("lean", parts, 1)
-        floor_s, lean_s = floor / peak_wall / 1e9, lean / peak_wall / 1e9
-        line = f"  {name:9s} {floor / 1e9:7.1f} {lean / 1e9:6.1f} {floor_s:8.2f} |"
+        floor, lean = flop("hf", parts, 0) / 1e9, flop("lean", parts, 1) / 1e9  # GFLOP
+        line = f"  {name:9s} {floor:7.1f} {lean:6.1f} {floor / peak_wall:7.2f} |"
         if timed is not None:
-            before, after = med("hf", timed), med("lean", timed)
-            lean_x = f"{after / lean_s:6.2f}" if lean_s else f"{'-':>6s}"
-            line += f" {before:8.2f} {before / floor_s:7.2f} | {after:7.2f} {after / floor_s:7.2f} {lean_x} |"
-            line += f" {med('hf', timed, 0):.2f} / {med('lean', timed, 0):.2f}"
+            cells = []
+            for path in ("hf", "lean"):
+                wall, cpu = med(path, timed), med(path, timed, 0)
+                cells.append(
+                    f" {wall:6.2f} {wall / (floor / peak_wall):5.2f} {cpu:6.2f} {cpu / (floor / peak_cpu):5.2f}"
+                )
+            lean_x = f"{med('lean', timed, 0) / (lean / peak_cpu):6.2f}" if lean else f"{'-':>6s}"
+            line += cells[0] + " |" + cells[1] + " " + lean_x
         print(line)
-    floor_cpu = flop("hf", everything, 0) / peak_cpu / 1e9  # the floor in CPU seconds
     print(f"  speedup: {med('hf', 'step') / med('lean', 'step'):.2f}x wall, "
-          f"{med('hf', 'step', 0) / med('lean', 'step', 0):.2f}x CPU; against the per-CPU-second GEMM rate the step "
-          f"is {med('hf', 'step', 0) / floor_cpu:.2f}x (before) and {med('lean', 'step', 0) / floor_cpu:.2f}x (after) "
-          "its floor")  # fmt: skip
+          f"{med('hf', 'step', 0) / med('lean', 'step', 0):.2f}x CPU")  # fmt: skip
     print(f"  first update's ratio on the lean path: max |log pi_update - log pi_old(decode)| = {log_ratio:.2e}")
 
 
