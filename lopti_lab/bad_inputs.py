@@ -61,6 +61,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "max_new_tokens": [("out of range", 0)],
         "max_prompt_tokens": [("out of range", 0)],
         "generate_batch_size": [("out of range", 0)],
+        "fast_path": [("not a choice", "fast")],
         "lr": [("out of range", 0.0), ("out of range", -1e-5), ("not finite", INF)],
         "weight_decay": [("out of range", -0.01)],
         "betas": [("one value", (0.9,)), ("out of range", (0.9, 1.0))],

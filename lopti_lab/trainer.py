@@ -45,11 +45,12 @@ from lopti_lab.models import DEFAULT_LORA_TARGETS, LoraSpec, Reference, check_mo
 from lopti_lab.objective import group_advantages, lopti_stages, masked_mean, policy_loss, reweight_advantages
 from lopti_lab.probes import GradientProbe, probability_shift
 from lopti_lab.probes.shift import float64_logprobs
-from lopti_lab.rollout import Rollout, add_logprobs, response_logprobs, sample
+from lopti_lab.rollout import FAST_PATHS, Rollout, add_logprobs, response_logprobs, sample, use_lean
 
 __all__ = [
     "TrainConfig",
     "TrainResult",
+    "accuracy_se",
     "advantages_and_stages",
     "evaluate",
     "load_trained",
@@ -112,6 +113,10 @@ class TrainConfig:
     generate_batch_size: int | None = None
     """rows per generate call (GPU memory; None = the whole batch) and, without micro_batch_size, per log-prob
     forward"""
+    fast_path: str = "auto"
+    """"auto": on a CPU, Qwen2 models decode with lopti_lab's lean loop (whose sampling logits also give pi_old) and
+    run the update's forward with each prompt computed once per group; other models and GPUs use HF generate and
+    forward. "lean": require that path (fail if the model cannot take it); "hf": HF everywhere (rollout.FAST_PATHS)"""
 
     # --- optimisation ---
     lr: float = 1e-6
@@ -277,6 +282,7 @@ def _validate(c: TrainConfig) -> None:
     check.integer("max_new_tokens", low=1)
     check.integer("max_prompt_tokens", low=1, optional=True)
     check.integer("generate_batch_size", low=1, optional=True)
+    check.choice("fast_path", FAST_PATHS)
     # --- optimisation
     check.real("lr", low=0, low_open=True)
     check.real("weight_decay", low=0)
@@ -413,6 +419,7 @@ def update_policy(
                     config.temperature,
                     with_entropy=on_policy,
                     before_forward=_probe_tokens(probe, rollout, m),
+                    fast_path=config.fast_path,
                 )  # (b, T)
                 if on_policy:  # the weights are still the rollout's: this forward IS pi_old, exactly
                     sums["entropy"] += (entropy * rollout.response_mask[m]).sum()
@@ -496,6 +503,15 @@ def train_step(
     """One RL step on ``puzzles`` (prompts_per_step of them): rollout, reward, advantages, update; its metrics."""
     cfg, group = config, config.group_size
     sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    # pi_old before the update: AR weights and Lopti stages read it, a probe bins by it, and a second optimizer step
+    # needs it from the weights before the first. Plain GRPO with one optimizer step per rollout gets it exactly from
+    # its update forward instead (weights unchanged until the step), which saves a forward pass, as TRL does.
+    needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or cfg.optimizer_steps_per_stage > 1
+    # The lean decoder's sampling logits give pi_old for free: the rollout policy at the sampling temperature, which
+    # is what the ratio's denominator is (PAPER.md §2), equal to a forward's log-probs to float32 rounding
+    # (tests/test_decode.py). A probe step still takes them from a forward, so that its before/after probability
+    # shift compares two forwards' identical arithmetic.
+    from_decode = needs_old and not probe and use_lean(model, cfg.fast_path)
     t0 = time.perf_counter()
     prompts = [build_prompt(p, cfg.prompt_style, tokenizer) for p in puzzles]
     rollout = sample(
@@ -508,15 +524,13 @@ def train_step(
         top_p=cfg.top_p,
         max_prompt_tokens=cfg.max_prompt_tokens,
         batch_size=cfg.generate_batch_size,
-        with_logprobs=False,
+        with_logprobs=from_decode,
+        fast_path=cfg.fast_path,
     )
     sync()
     t1 = time.perf_counter()
-    # pi_old before the update: AR weights and Lopti stages read it, a probe bins by it, and a second optimizer step
-    # needs it from the weights before the first. Plain GRPO with one optimizer step per rollout gets it exactly from
-    # its update forward instead (weights unchanged until the step), which saves a forward pass, as TRL does.
-    needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or cfg.optimizer_steps_per_stage > 1
-    add_logprobs(model, rollout, cfg.temperature, True, reference, cfg.logprob_batch_size, policy=needs_old)
+    policy = needs_old and rollout.old_logp is None
+    add_logprobs(model, rollout, cfg.temperature, True, reference, cfg.logprob_batch_size, policy, cfg.fast_path)
     sync()
     t2 = time.perf_counter()
     rewards = score_rollout(rollout, puzzles)
@@ -613,13 +627,15 @@ def evaluate(
     batch_size: int | None = None,
     seed: int = 0,
     prefix: str = "eval",
+    fast_path: str = "auto",
 ) -> dict[str, float]:
     """Test accuracy (share of completions with reward 3) by people count, greedy and/or ``samples`` sampled
-    completions per puzzle at ``temperature``.
+    completions per puzzle at ``temperature``, each with its standard error.
 
     Keys: ``{prefix}/{mode}/acc_{n}ppl``, ``{prefix}/{mode}/acc_all`` (the mean over people counts, the paper's
-    "avg"), ``{prefix}/{mode}/format_error_rate`` and ``{prefix}/{mode}/len_mean``. Sampling runs under a forked
-    torch RNG seeded with ``seed``, so evaluating never changes the training run's random stream.
+    "avg"), each with an ``_se`` twin (``accuracy_se``), ``{prefix}/{mode}/format_error_rate`` and
+    ``{prefix}/{mode}/len_mean``. Sampling runs under a forked torch RNG seeded with ``seed``, so evaluating never
+    changes the training run's random stream. ``fast_path``: the decoder (``rollout.FAST_PATHS``).
     """
     puzzles = list(puzzles)
     if not puzzles:
@@ -642,16 +658,34 @@ def evaluate(
                 greedy=mode == "greedy",
                 batch_size=batch_size,
                 with_logprobs=False,
+                fast_path=fast_path,
             )
         rewards = score_rollout(rollout, puzzles)
-        correct = np.array([r.total == 3.0 for r in rewards], dtype=float)  # (puzzles x group,)
-        row_people = np.repeat(people, group)
-        per_people = {int(n): float(correct[row_people == n].mean()) for n in sorted(set(people.tolist()))}
+        correct = np.array([r.total == 3.0 for r in rewards], dtype=float).reshape(len(puzzles), group)  # (n, G)
+        counts = sorted(set(people.tolist()))
+        per_people = {n: float(correct[people == n].mean()) for n in counts}
+        se = {n: accuracy_se(correct[people == n]) for n in counts}
         out.update({f"{prefix}/{mode}/acc_{n}ppl": acc for n, acc in per_people.items()})
+        out.update({f"{prefix}/{mode}/acc_{n}ppl_se": value for n, value in se.items()})
         out[f"{prefix}/{mode}/acc_all"] = float(np.mean(list(per_people.values())))
+        out[f"{prefix}/{mode}/acc_all_se"] = math.sqrt(sum(v**2 for v in se.values())) / len(counts)
         out[f"{prefix}/{mode}/format_error_rate"] = float(np.mean([r.format_score < 0 for r in rewards]))
         out[f"{prefix}/{mode}/len_mean"] = rollout.lengths.float().mean().item()
     return out
+
+
+def accuracy_se(correct: np.ndarray) -> float:
+    """Standard error of the accuracy of n puzzles x G completions, correct: (n, G) of 0/1.
+
+    The puzzles are the independent units (a puzzle's completions share its difficulty, so they are not
+    independent draws): the accuracy is the mean of the n per-puzzle means c_i, and its standard error is
+    sd(c_i) / sqrt(n) (sample sd, ddof 1), the cluster-robust binomial error. G = 1 gives the binomial
+    sqrt(p (1 - p) / (n - 1)). Example: correct [[1, 0], [1, 1], [0, 0], [1, 0]] has c = (0.5, 1, 0, 0.5), accuracy
+    0.5, sd 0.408, SE 0.204 (treating the 8 completions as independent would give 0.189). NaN for one puzzle."""
+    per_puzzle = correct.mean(1)  # (n,)
+    if len(per_puzzle) < 2:
+        return math.nan
+    return float(per_puzzle.std(ddof=1) / math.sqrt(len(per_puzzle)))
 
 
 # --- the loop ---------------------------------------------------------------------------------------------------------
@@ -775,6 +809,7 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
                     temperature=cfg.eval_temperature,
                     batch_size=cfg.generate_batch_size,
                     seed=cfg.seed,
+                    fast_path=cfg.fast_path,
                 )
             )
             metrics["time/eval"] = time.perf_counter() - t_eval
