@@ -14,9 +14,9 @@ growing KV cache was 37% of generate's CPU time, benchmarks/README.md "Lab RL st
 
 The token selection is HF's arithmetic step by step: logits in float32, divided by the temperature, top-p as HF's
 TopPLogitsWarper (smallest tokens removed while their cumulative mass is <= 1 - top_p, the top token always kept),
-softmax, one ``torch.multinomial`` draw per row of the batch; greedy takes the argmax. Until the first compaction the batch
-is HF's, so under the same torch seed the tokens are HF's too (tests/test_decode.py); after it the draws are spent
-on fewer rows, so they differ in value but not in distribution.
+softmax, one ``torch.multinomial`` draw per row of the batch; greedy takes the argmax. Until the first compaction the
+batch is HF's, so under the same torch seed the tokens are HF's too (tests/test_decode.py); after it the draws are
+spent on fewer rows, so they differ in value but not in distribution.
 
 Shape legend: n prompts, G rows per prompt, B = n x G rows, b rows still in the batch, P prompt tokens, T response
 tokens, K key/value heads, D head dim, V vocabulary.
