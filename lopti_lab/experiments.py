@@ -18,13 +18,14 @@ import json
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from lopti_lab import labmodel, plots, runs
+from lopti_lab.checks import FieldCheck, is_int, rename_owner
 from lopti_lab.kk import Puzzle, build_prompt, load_split
 from lopti_lab.objective import group_advantages
 from lopti_lab.probes import probability_shift
@@ -230,22 +231,34 @@ class DemoConfig:
     """torch threads (None: torch's default)"""
 
     def __post_init__(self):
-        self.train_people, self.eval_people, self.methods = (
-            tuple(self.train_people),
-            tuple(self.eval_people),
-            tuple(self.methods),
-        )
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"DemoConfig.methods: unknown {unknown}; choose from {list(METHODS)}")
-        for name in ("seeds", "steps", "prompts_per_step", "group_size", "minibatch_size", "eval_size", "eval_samples",
-                     "ppo_epochs"):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"DemoConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("train_people", "eval_people", "methods"):
+            if isinstance(getattr(self, name), list):  # JSON and argparse give lists
+                setattr(self, name, tuple(getattr(self, name)))
+        check = FieldCheck(self)  # every field by name, before any model loads (docs/bad_inputs.md)
+        check.text("out")
+        check.need(not Path(self.out).is_file(), "out", "must be a folder, not a file")
+        for name in ("seeds", "steps", "prompts_per_step", "minibatch_size", "eval_size", "eval_samples", "ppo_epochs",
+                     "max_new_tokens"):  # fmt: skip
+            check.integer(name, low=1)
+        check.integer("group_size", low=2)
+        check.flag("quick")
+        check.real("lr", low=0, low_open=True)
+        check.real("temperature", low=0, low_open=True)
+        check.items("train_people", lambda n: is_int(n) and n >= 2, "people counts >= 2", distinct=True)
+        check.items("eval_people", lambda n: is_int(n) and n >= 2, "people counts >= 2", distinct=True)
+        check.integer("probe_every", low=0)
+        check.flag("cache_warm_start")
+        check.items("methods", lambda m: m in METHODS, f"methods from {list(METHODS)}", distinct=True)
+        check.text("model")
+        check.integer("threads", low=1, optional=True)
         if self.quick:  # every code path once, on the smallest batches that exercise it (tests, notebook QUICK)
             self.steps, self.prompts_per_step, self.group_size, self.eval_size, self.eval_samples = 2, 4, 4, 8, 1
             self.eval_people, self.probe_every = self.eval_people[:2], 1
+        try:  # the combinations (a minibatch that does not divide the batch, a missing data file, ...): as each run
+            for method in self.methods:
+                self.train_config(method, 0, Path(self.out) / "runs" / slug(method))
+        except ValueError as err:
+            raise rename_owner(err, "TrainConfig", "DemoConfig", [f.name for f in fields(self)]) from None
 
     def train_config(self, method: str, seed: int, run_dir: Path) -> TrainConfig:
         """The TrainConfig of one run: every method shares everything but its own switches."""
@@ -313,10 +326,10 @@ def run_demo(config: DemoConfig) -> Path:
     for seed in range(config.seeds):
         for method in config.methods:
             run_dir = out / "runs" / f"{slug(method)}-seed{seed}"
-            if run_dir.exists() and (run_dir / "metrics.jsonl").is_file() and _finished(run_dir, config.steps):
+            if _finished(run_dir, config.steps):
                 run_dirs[(method, seed)] = run_dir  # an earlier, complete run of the same report: keep it
                 continue
-            train(config.train_config(method, seed, run_dir), resume=run_dir.exists())
+            train(config.train_config(method, seed, run_dir), resume=runs.RunFolder(run_dir).exists())
             run_dirs[(method, seed)] = run_dir
     report = write_report(config, out, run_dirs, warm, shift, minutes=(time.perf_counter() - start) / 60)
     return report
@@ -369,8 +382,10 @@ def warm_start_eval(config: DemoConfig, model, tokenizer) -> dict[str, float]:
 
 
 def _finished(run_dir: Path, steps: int) -> bool:
-    records = runs.load_metrics(run_dir)
-    return bool(records) and records[-1]["step"] >= steps
+    """Whether a run folder holds a complete run: its final checkpoint is committed (runs.py: its records are then
+    on disk too). A run killed before that resumes (train's resume=True) and redoes what was not saved."""
+    checkpoint = runs.latest_checkpoint(run_dir)
+    return checkpoint is not None and checkpoint.name == f"step_{steps}"
 
 
 def accuracy_table(config: DemoConfig, run_dirs: dict, warm: dict, mode: str = "sample") -> pd.DataFrame:

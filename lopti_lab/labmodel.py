@@ -22,11 +22,12 @@ import math
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from lopti_lab.checks import FieldCheck, is_int, is_real
 from lopti_lab.kk import NAMES, Puzzle, build_prompt, generate_puzzle, instruct_prompt
-from lopti_lab.kk.data import load_split, puzzle_seed
+from lopti_lab.kk.data import load_split, puzzle_seed, split_files
 from lopti_lab.labtrace import TraceStyle, lab_trace
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -194,19 +195,51 @@ class PretrainConfig:
 
     def __post_init__(self):
         if isinstance(self.spec, dict):
-            self.spec = LabModelSpec(**self.spec)
+            try:
+                self.spec = LabModelSpec(**self.spec)
+            except TypeError as err:
+                raise ValueError(f"PretrainConfig.spec: {err}") from None
         if isinstance(self.trace, dict):
-            self.trace = TraceStyle(**{k: tuple(v) if isinstance(v, list) else v for k, v in self.trace.items()})
-        self.people, self.people_weights = tuple(self.people), tuple(self.people_weights)
-        self.final_people = tuple(self.final_people)
-        if len(self.people) != len(self.people_weights) or not self.people:
-            raise ValueError("people and people_weights must be non-empty and of equal length")
-        for name in ("steps", "batch_size", "eval_every", "eval_size", "warmup_steps", "curriculum_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name in ("warmup_steps", "curriculum_steps") else 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+            try:
+                self.trace = TraceStyle(**{k: tuple(v) if isinstance(v, list) else v for k, v in self.trace.items()})
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"PretrainConfig.trace: {err}") from None
+        for name in ("people", "people_weights", "final_people"):
+            if isinstance(getattr(self, name), list):  # JSON gives lists
+                setattr(self, name, tuple(getattr(self, name)))
+        check = FieldCheck(self)  # every field by name, before any model is built (docs/bad_inputs.md)
+        for name in ("people", "final_people"):
+            check.items(name, lambda n: is_int(n) and n >= 2, "people counts >= 2", distinct=True)
+        check.items("people_weights", lambda w: is_real(w) and w >= 0, "weights >= 0")
+        check.need(
+            len(self.people_weights) == len(self.people), "people_weights", "must give one weight per people count"
+        )
+        check.need(sum(self.people_weights) > 0, "people_weights", "must not all be 0")
+        for name in ("steps", "batch_size", "eval_every", "eval_size", "final_samples", "max_new_tokens"):
+            check.integer(name, low=1)
+        for name in ("curriculum_steps", "warmup_steps", "seed"):
+            check.integer(name, low=0)
+        check.integer("final_size", low=1, optional=True)
+        check.integer("threads", low=1, optional=True)
+        check.real("max_minutes", low=0, low_open=True)
+        check.real("lr", low=0, low_open=True)
+        check.real("min_lr_ratio", 0.0, 1.0)
+        check.real("weight_decay", low=0)
+        check.real("grad_clip", low=0, low_open=True)
+        check.need(isinstance(self.trace, TraceStyle), "trace", "must be a labtrace.TraceStyle or a dict of its fields")
+        check.need(isinstance(self.spec, LabModelSpec), "spec", "must be a LabModelSpec or a dict of its fields")
+        spec = FieldCheck(self.spec, "PretrainConfig.spec")
+        for f in fields(self.spec):
+            spec.integer(f.name, low=1)
+        heads, kv = self.spec.num_attention_heads, self.spec.num_key_value_heads
+        head = self.spec.hidden_size / heads  # rotary embeddings rotate pairs of each head's dimensions
+        spec.need(head == int(head) and head % 2 == 0, "num_attention_heads", "must divide hidden_size into even heads")
+        spec.need(heads % kv == 0, "num_key_value_heads", "must divide num_attention_heads")
+        for name in ("people", "final_people"):  # the test split: held out of training, and evaluated on
+            try:
+                split_files("test", getattr(self, name))
+            except FileNotFoundError as err:
+                raise ValueError(f"PretrainConfig.{name}: {err}") from None
 
 
 def encode_example(

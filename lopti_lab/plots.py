@@ -381,6 +381,50 @@ def gradient_share(long: pd.DataFrame) -> Figure:
     return fig
 
 
+def mechanism_over_steps(long: pd.DataFrame, sign: str = "pos", smooth: int = 1) -> Figure:
+    """The paper's mechanism during training, per method over the probed steps: one column per probability bin, rows
+    (a) the bin's share of the response tokens (Fig. 1a), (b) its share of the gradient (Fig. 1d, "position"
+    attribution), (c) the correct ratio among its tokens that moved (Fig. 2b; ``sign`` "pos" for A > 0). Lines are
+    the mean over each method's runs (seeds); ``smooth`` > 1 applies a centred rolling mean over steps."""
+    _require(long, "long", ["run", "method", "step", "metric", "value"])
+    pattern = rf"^(tokens/share|grad/share|shift/correct_{sign}|shift/n_{sign}|shift/unmoved_{sign})_bin(\d+)$"
+    cells = long[long["metric"].str.match(pattern)].copy()
+    if cells.empty:
+        raise ValueError("no tokens/share_bin*, grad/share_bin* or shift/* metrics: train with probe_every > 0")
+    parts = cells["metric"].str.extract(pattern)
+    cells["what"], cells["bin"] = parts[0], parts[1].astype(int)
+    wide = cells.pivot_table(index=["method", "run", "step", "bin"], columns="what", values="value").reset_index()
+    bins = sorted(wide["bin"].unique())
+    rows = [("tokens/share", "share of tokens"), ("grad/share", "share of the gradient")]
+    if f"shift/correct_{sign}" in wide.columns:
+        rows.append((f"shift/correct_{sign}", f"correct ratio ({SIGN_NAMES[sign]})"))
+    fig = Figure(figsize=(3.4 * len(bins), 2.6 * len(rows)), layout="constrained")
+    axes = np.asarray(fig.subplots(len(rows), len(bins), sharex=True, squeeze=False))
+    methods = _methods(wide)
+    for r, (what, label) in enumerate(rows):
+        for c, b in enumerate(bins):
+            ax = axes[r, c]
+            for i, method in enumerate(methods):
+                mine = wide[(wide["method"] == method) & (wide["bin"] == b)]
+                if what not in mine or mine[what].isna().all():
+                    continue
+                curve = mine.groupby("step")[what].mean()
+                if smooth > 1:
+                    curve = curve.rolling(smooth, center=True, min_periods=1).mean()
+                ax.plot(curve.index, curve.to_numpy(), color=f"C{i}", label=method)
+            if what.startswith("shift/"):
+                ax.axhline(0.5, color="0.5", lw=0.8, ls="--")
+                ax.set_ylim(-0.02, 1.02)
+            if r == 0:
+                ax.set_title(f"bin {b}")
+            if c == 0:
+                ax.set_ylabel(label)
+            if r == len(rows) - 1:
+                ax.set_xlabel("RL step")
+    axes[0, 0].legend(fontsize="x-small")
+    return fig
+
+
 def live_training(history: Sequence[dict]) -> Figure:
     """A running training's dashboard from its metrics so far: (a) reward, (b) accuracy by people count in the
     training batches, (c) the latest probed step's token and gradient shares per probability bin."""

@@ -7,6 +7,9 @@ Layout of one row (the contract the trainer and the probes share): ``input_ids =
 L = P + T, the prompt left-padded to P, the response right-padded to T, so the response is always the LAST T
 positions and the logits at input position L - T - 1 + t predict response token t.
 
+Two paths compute the same thing (``fast_path``, FAST_PATHS): on a CPU a Qwen2 takes the lean path (decode.py's
+loop, lean_qwen2.py's shared-prompt forward), anything else HF generate and forward.
+
 Shape legend: B rows = prompts x G (a prompt's G completions are contiguous), P prompt tokens, T response tokens,
 V vocabulary.
 """
@@ -19,9 +22,11 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
+from lopti_lab.decode import lean_generate
+from lopti_lab.lean_qwen2 import causal_lm, lean_unsupported, shared_prompt_logits
 from lopti_lab.objective import token_logprobs
 
-__all__ = ["Rollout", "add_logprobs", "response_logprobs", "sample", "stop_token_ids"]
+__all__ = ["FAST_PATHS", "Rollout", "add_logprobs", "response_logprobs", "sample", "stop_token_ids", "use_lean"]
 
 
 @dataclass
@@ -72,6 +77,24 @@ def stop_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+FAST_PATHS = ("auto", "lean", "hf")
+"""How a model is run: "auto" takes lopti_lab's lean Qwen2 path (decode.py's loop, lean_qwen2.py's shared-prompt
+forward) wherever it applies (``lean_qwen2.lean_unsupported``: a Qwen2 on a CPU), HF generate / forward elsewhere;
+"lean" requires it (ValueError naming why not); "hf" is HF's generate and forward everywhere."""
+
+
+def use_lean(model: torch.nn.Module, fast_path: str = "auto") -> bool:
+    """Whether ``model`` runs on the lean path under ``fast_path`` (FAST_PATHS), in its current train/eval mode."""
+    if fast_path not in FAST_PATHS:
+        raise ValueError(f"fast_path must be one of {FAST_PATHS}, got {fast_path!r}")
+    if fast_path == "hf":
+        return False
+    reason = lean_unsupported(model)
+    if reason is not None and fast_path == "lean":
+        raise ValueError(f"fast_path='lean' cannot run this model: {reason}")
+    return reason is None
+
+
 def response_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -80,15 +103,18 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     before_forward: Callable[[int], None] | None = None,
+    fast_path: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(response token t | prefix) for the last T positions of each row, in one forward pass.
 
-    Shared by the rollout (no grad) and the update (with grad), so old and new log-probs come from identical
-    arithmetic and the first update's ratio is exactly 1. Padding columns that every row of this batch has (left of
-    the prompts, right of the longest response) are cut before the forward, and the lm_head runs on the last
-    t + 1 positions only (``logits_to_keep``), never on the prompt. ``before_forward(t)`` is called with the kept
-    response length t: the forward's rows are then [prompt | first t response columns] (a gradient probe's
-    ``set_tokens`` goes there).
+    Shared by the rollout's log-prob pass (no grad) and the update (with grad), so old and new log-probs come from
+    the same arithmetic. Padding columns that every row of this batch has (left of the prompts, right of the longest
+    response) are cut before the forward, and the lm_head runs on the response positions only, never on the prompt.
+
+    On the lean path (``use_lean``) rows with the same prompt (a GRPO group) share one forward of it
+    (``lean_qwen2.shared_prompt_logits``): the same function, (G - 1) / G of the prompt's work saved. A
+    ``before_forward`` hook always gets HF's forward: it is called with the kept response length t, and the
+    forward's rows are then [prompt | first t response columns] (a gradient probe's ``set_tokens`` goes there).
 
     input_ids, attention_mask: (B, P + T); response_mask: (B, T). Returns logp (B, T) and entropy (B, T) or None,
     zero on padding.
@@ -100,18 +126,34 @@ def response_logprobs(
     t = int(used.max()) + 1 if len(used) else 1  # longest response in this batch
     ids = input_ids[:, start : n_prompt + t]  # (B, L')
     mask = attention_mask[:, start : n_prompt + t]  # (B, L')
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
-    if before_forward is not None:
-        before_forward(t)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=t + 1, use_cache=False)
-    # logits at position L' - t - 1 + j predict response token j; the last position predicts nothing (its row is
-    # computed, and dropped, so the logits stay one contiguous (B, t + 1, V) tensor)
-    targets = F.pad(ids[:, -t:], (0, 1))  # (B, t + 1)
-    logp, entropy = token_logprobs(logits.logits, targets, temperature, with_entropy)  # (B, t + 1)
-    logp = F.pad(logp[:, :-1], (0, total_t - t)) * response_mask  # (B, T)
+    if before_forward is None and use_lean(model, fast_path):
+        lengths = response_mask.sum(1).long()  # (B,)
+        logits = _shared_prompt_forward(model, ids, mask, n_prompt - start, lengths)  # (B, t, V)
+        logp, entropy = token_logprobs(logits, ids[:, -t:], temperature, with_entropy)  # (B, t)
+    else:
+        if before_forward is not None:
+            before_forward(t)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=t + 1, use_cache=False)
+        # logits at position L' - t - 1 + j predict response token j; the last position predicts nothing (its row is
+        # computed, and dropped, so the logits stay one contiguous (B, t + 1, V) tensor)
+        targets = F.pad(ids[:, -t:], (0, 1))  # (B, t + 1)
+        logp, entropy = token_logprobs(out.logits, targets, temperature, with_entropy)  # (B, t + 1)
+        logp, entropy = logp[:, :-1], None if entropy is None else entropy[:, :-1]  # (B, t)
+    logp = F.pad(logp, (0, total_t - t)) * response_mask  # (B, T)
     if entropy is not None:
-        entropy = F.pad(entropy[:, :-1], (0, total_t - t)) * response_mask  # (B, T)
+        entropy = F.pad(entropy, (0, total_t - t)) * response_mask  # (B, T)
     return logp, entropy
+
+
+def _shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, n_prompt: int, lengths) -> torch.Tensor:
+    """Logits (B, t, V) predicting the response columns of ids (B, n_prompt + t), each distinct prompt (its ids and
+    padding) computed once; lengths (B,): the real response tokens of each row."""
+    prompt_ids, prompt_mask = ids[:, :n_prompt], mask[:, :n_prompt]  # (B, P)
+    keys = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # (B, 2P)
+    distinct, row_prompt = torch.unique(keys, dim=0, return_inverse=True)  # (n, 2P), (B,)
+    prompt_ids, prompt_mask = distinct[:, :n_prompt], distinct[:, n_prompt:]
+    return shared_prompt_logits(model, prompt_ids, prompt_mask, row_prompt, ids[:, n_prompt:], lengths)
 
 
 def add_logprobs(
@@ -122,17 +164,24 @@ def add_logprobs(
     reference: Callable | None = None,
     batch_size: int | None = None,
     policy: bool = True,
+    fast_path: str = "auto",
 ) -> Rollout:
-    """Fill ``rollout.old_logp`` and ``entropy`` (``policy=False``: leave them None) and, given a ``models.Reference``,
-    ``ref_logp``, in no-grad forwards of ``batch_size`` rows at the sampling temperature (the paper's code divides
-    the logits by it too)."""
+    """Fill ``rollout.old_logp`` and ``entropy`` (``policy=False``: leave them as they are) and, given a
+    ``models.Reference``, ``ref_logp``, in no-grad forwards of ``batch_size`` rows at the sampling temperature (the
+    paper's code divides the logits by it too)."""
     input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
     step = batch_size or len(rollout)
 
     def run(module, entropy: bool):
         parts = [
             response_logprobs(
-                module, input_ids[i : i + step], attention_mask[i : i + step], mask[i : i + step], temperature, entropy
+                module,
+                input_ids[i : i + step],
+                attention_mask[i : i + step],
+                mask[i : i + step],
+                temperature,
+                entropy,
+                fast_path=fast_path,
             )
             for i in range(0, len(rollout), step)
         ]
@@ -151,8 +200,9 @@ def add_logprobs(
     finally:
         model.train(was_training)
     # clones leave inference mode, so the update can use these tensors inside autograd
-    rollout.old_logp = None if old_logp is None else old_logp.clone()
-    rollout.entropy = None if entropy is None else entropy.clone()
+    if policy:
+        rollout.old_logp = old_logp.clone()
+        rollout.entropy = None if entropy is None else entropy.clone()
     rollout.ref_logp = None if ref_logp is None else ref_logp.clone()
     return rollout
 
@@ -160,7 +210,22 @@ def add_logprobs(
 CPU_GENERATE_ROWS = 64
 """Rows per generate call on a CPU when the caller sets none. Measured on the 2-core machine with the lab model
 (400 sampled completions of 3-person puzzles, 200 new tokens, 2 threads): 13.9 s in calls of 64 rows, 15.8 s of 32,
-17.0 s of 128, and over 10 minutes in one call of 400 (the KV cache, copied at every token, outgrows the caches)."""
+17.0 s of 128, and over 10 minutes in one call of 400 (the KV cache, copied at every token, outgrows the caches).
+The lean decoder writes its cache in place, so it takes as many rows per call as LEAN_CACHE_BYTES of cache holds."""
+
+LEAN_CACHE_BYTES = 2**30
+"""KV-cache budget of one lean decode call (rows per call when the caller sets none). Measured on the 2-core machine
+(lab model, 400 sampled completions, 1 thread, CPU seconds): 22.3 s in calls of 64 rows, 19.8 of 128, 18.7 of 400
+(fewer calls: fewer steps whose cost is mostly reading the weights once)."""
+
+
+def _lean_rows(model, n_prompt: int, max_new_tokens: int) -> int:
+    """Rows whose KV cache (every layer's keys and values at P + max_new_tokens positions) fits LEAN_CACHE_BYTES."""
+    config = causal_lm(model).config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    per_row = per_position * (n_prompt + max_new_tokens) * next(model.parameters()).element_size()
+    return max(1, LEAN_CACHE_BYTES // per_row)
 
 
 def sample(
@@ -179,20 +244,25 @@ def sample(
     with_logprobs: bool = True,
     with_entropy: bool = True,
     reference: Callable | None = None,
+    fast_path: str = "auto",
 ) -> Rollout:
-    """Sample ``group_size`` completions of each prompt with HF generate (KV cache, left padding, stop at EOS).
+    """Sample ``group_size`` completions of each prompt (KV cache, left padding, stop at EOS).
 
     Prompts are tokenized raw (no special tokens added: the K&K prompt strings already hold their chat markup). The
     sampling distribution is softmax(logits / temperature) restricted to the top-p nucleus; every other processor a
     checkpoint's generation_config may carry (Qwen's top_k = 20, repetition_penalty = 1.05) is switched off, so the
-    rollout log-probs, computed afterwards at the same temperature, describe what was sampled (top-p aside, as in the
-    paper's code). ``greedy`` decodes argmax (evaluation). ``reference``: a ``models.Reference`` for ``ref_logp``.
+    rollout log-probs, at the same temperature, describe what was sampled (top-p aside, as in the paper's code).
+    ``greedy`` decodes argmax (evaluation). ``reference``: a ``models.Reference`` for ``ref_logp``.
+
+    ``fast_path`` (FAST_PATHS) picks the decoder: on the lean path ``decode.lean_generate`` (each prompt prefilled
+    once for its group, finished rows dropped), whose sampling logits also give ``old_logp`` and ``entropy`` with no
+    second forward; elsewhere HF generate, then a log-prob forward (``add_logprobs``). Both select tokens with the same
+    arithmetic (tests/test_decode.py).
 
     batch_size caps the rows per generate call, logprob_batch_size the rows per log-prob forward (GPU memory). On a
-    CPU, batch_size=None means CPU_GENERATE_ROWS rows per call (on a GPU: all rows in one call).
+    CPU, batch_size=None means CPU_GENERATE_ROWS rows per HF call, or on the lean path as many as LEAN_CACHE_BYTES
+    of KV cache holds (on a GPU: all rows in one call).
     """
-    from transformers import GenerationConfig
-
     if group_size < 1 or not prompts:
         raise ValueError(f"need at least one prompt and group_size >= 1, got {len(prompts)} prompts, G={group_size}")
     device = next(model.parameters()).device
@@ -200,34 +270,29 @@ def sample(
     if max_prompt_tokens is not None and encoded["attention_mask"].sum(1).max() > max_prompt_tokens:
         longest = int(encoded["attention_mask"].sum(1).max())
         raise ValueError(f"max_prompt_tokens: a prompt has {longest} tokens, more than {max_prompt_tokens}")
-    prompt_ids = encoded["input_ids"].repeat_interleave(group_size, dim=0).to(device)  # (B, P)
-    prompt_mask = encoded["attention_mask"].repeat_interleave(group_size, dim=0).to(device)  # (B, P)
+    unique_ids, unique_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)  # (n, P)
+    prompt_ids = unique_ids.repeat_interleave(group_size, dim=0)  # (B, P)
+    prompt_mask = unique_mask.repeat_interleave(group_size, dim=0)  # (B, P)
     stops = stop_token_ids(model, tokenizer)
-    sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}  # top_k = 0: off
-    config = GenerationConfig(
-        do_sample=not greedy,
-        repetition_penalty=1.0,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=stops,
-        pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-        **sampling,
-    )
     n_rows = prompt_ids.shape[0]
-    if batch_size is None:
-        batch_size = n_rows if device.type == "cuda" else min(n_rows, CPU_GENERATE_ROWS)
     was_training = model.training
     model.eval()
     try:
+        lean = use_lean(model, fast_path)
+        if batch_size is None and lean:
+            batch_size = min(n_rows, max(group_size, _lean_rows(model, prompt_ids.shape[1], max_new_tokens)))
+        elif batch_size is None:
+            batch_size = n_rows if device.type == "cuda" else min(n_rows, CPU_GENERATE_ROWS)
+        decode = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "greedy": greedy}
         with torch.inference_mode():
-            chunks = [
-                model.generate(
-                    input_ids=prompt_ids[i : i + batch_size],
-                    attention_mask=prompt_mask[i : i + batch_size],
-                    generation_config=config,
-                )[:, prompt_ids.shape[1] :]  # (b, t) generated tokens only
-                for i in range(0, n_rows, batch_size)
-            ]
+            if lean:
+                decoded = _lean_generate(model, unique_ids, unique_mask, group_size, batch_size, stops,
+                                         tokenizer.pad_token_id, with_logprobs, **decode)  # fmt: skip
+                chunks = [d.response_ids for d in decoded]
+            else:
+                chunks = _hf_generate(
+                    model, prompt_ids, prompt_mask, stops, tokenizer.pad_token_id, batch_size, **decode
+                )
     finally:
         model.train(was_training)
     width = max(c.shape[1] for c in chunks)
@@ -239,6 +304,53 @@ def sample(
     response_mask = (torch.arange(width, device=device)[None, :] <= first_stop[:, None]).float()  # (B, T)
     texts = tokenizer.batch_decode([row[:n].tolist() for row, n in zip(response_ids, first_stop.tolist(), strict=True)])
     rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, texts, group_size, is_stop.any(1))
-    if with_logprobs:
-        add_logprobs(model, rollout, 1.0 if greedy else temperature, with_entropy, reference, logprob_batch_size)
+    scored_at = 1.0 if greedy else temperature
+    if lean and with_logprobs:  # pi_old read off the sampling logits: the rollout policy at its temperature
+        rollout.old_logp = torch.cat([F.pad(d.logp, (0, width - d.logp.shape[1])) for d in decoded]) * response_mask
+        if with_entropy:
+            entropy = torch.cat([F.pad(d.entropy, (0, width - d.entropy.shape[1])) for d in decoded])  # (B, T)
+            rollout.entropy = entropy * response_mask
+        if reference is not None:
+            add_logprobs(model, rollout, scored_at, False, reference, logprob_batch_size, False, fast_path)
+    elif with_logprobs:
+        add_logprobs(model, rollout, scored_at, with_entropy, reference, logprob_batch_size, fast_path=fast_path)
     return rollout
+
+
+def _lean_generate(model, ids, mask, group_size, rows_per_call, stops, pad_id, with_logprobs, **decode) -> list:
+    """lean_generate over prompts (n, P) in calls of whole groups (a group shares its prefill), each call's prompts
+    cut to the padding columns they need; one ``decode.Decoded`` per call."""
+    per_call = max(1, rows_per_call // group_size)
+    out = []
+    for i in range(0, len(ids), per_call):
+        part_ids, part_mask = ids[i : i + per_call], mask[i : i + per_call]  # (n', P)
+        start = int(part_mask.any(0).int().argmax())  # first column some prompt of this call uses
+        part = lean_generate(model, part_ids[:, start:], part_mask[:, start:], group_size, stop_ids=stops,
+                             pad_id=pad_id, with_logprobs=with_logprobs, **decode)  # fmt: skip
+        out.append(part)
+    return out
+
+
+def _hf_generate(model, prompt_ids, prompt_mask, stops, pad_id, batch_size, *, max_new_tokens, temperature, top_p,
+                 greedy) -> list[torch.Tensor]:  # fmt: skip
+    """HF generate in calls of ``batch_size`` rows; the generated tokens (b, t) of each call."""
+    from transformers import GenerationConfig
+
+    sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}  # top_k = 0: off
+    config = GenerationConfig(
+        do_sample=not greedy,
+        repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stops,
+        pad_token_id=pad_id,
+        use_cache=True,
+        **sampling,
+    )
+    return [
+        model.generate(
+            input_ids=prompt_ids[i : i + batch_size],
+            attention_mask=prompt_mask[i : i + batch_size],
+            generation_config=config,
+        )[:, prompt_ids.shape[1] :]  # (b, t) generated tokens only
+        for i in range(0, prompt_ids.shape[0], batch_size)
+    ]

@@ -1,12 +1,29 @@
-"""Run folders: what a training run leaves on disk, and how to read runs back as pandas DataFrames.
+"""Run folders: what a training run leaves on disk, how it survives a kill, and how to read runs back as DataFrames.
 
 A run folder (``TrainConfig.run_dir``) holds everything needed to reload, compare or resume the run:
 
     config.json                      the TrainConfig, as JSON
-    metrics.jsonl                    one JSON object per completed step, appended and flushed each step
-    checkpoints/step_{k}/            adapter/ (PEFT save_pretrained) or model.safetensors (full fine-tuning),
-                                     optimizer.pt, rng.pt (python, numpy, torch and CUDA RNG states), state.json
+    metrics.jsonl                    one JSON object per completed step, appended durably each step
+    checkpoints/step_{k}/            model.safetensors (full fine-tuning) or adapter/ (PEFT save_pretrained),
+                                     optimizer.pt, rng.pt (python, numpy, torch and CUDA RNG states), tokenizer/,
+                                     state.json (the step, and each file's size and sha256)
     checkpoints/latest               the name of the newest complete checkpoint ("step_{k}")
+
+Crash consistency (lopti_lab.durable has the primitives). Every write reaches the disk in this order, so a kill or a
+power cut at any moment leaves a folder that ``check_resume`` can continue from:
+
+    1. config.json: written to config.json.tmp, fsynced, renamed, folder fsynced (before the model loads)
+    2. step k's record: one line appended to metrics.jsonl, flushed and fsynced
+    3. checkpoint k (every save_every steps): every file written into checkpoints/step_{k}.partial/ and fsynced,
+       state.json last, then the folder renamed to step_{k} and checkpoints/ fsynced
+    4. checkpoints/latest <- "step_{k}" (tmp + fsync + rename + fsync): the commit point of checkpoint k
+
+Because 2 precedes 3-4, the latest checkpoint's step always has its record. On resume, ``check_resume`` verifies the
+folder and ``repair_for_resume`` cuts it back to a consistent point: records after the checkpoint are dropped and
+their steps redone, a torn last line (a kill inside an append) is dropped and its step redone from the last
+checkpoint that all surviving records cover, partial checkpoints are removed. Anything else (a damaged line in the
+middle, a step missing or doubled, a checkpoint whose files are missing or differ from state.json, a config.json that
+does not parse) is a RunFolderError naming the file and line; nothing is skipped in silence.
 
     df = load_run("runs/ar")                  # one row per step, one column per metric; df.attrs["config"]
     long = compare(["runs/grpo", "runs/ar"])  # tidy: run, method, step, metric, value
@@ -51,17 +68,25 @@ Metric keys (plain floats; plots and widgets read these names, whatever produced
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
-import os
 import random
+import re
+import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from lopti_lab import durable
+
 __all__ = [
+    "ResumePoint",
     "RunFolder",
+    "RunFolderError",
+    "check_resume",
     "compare",
     "latest_checkpoint",
     "load_checkpoint",
@@ -69,10 +94,17 @@ __all__ = [
     "load_metrics",
     "load_run",
     "method_label",
+    "repair_for_resume",
     "save_checkpoint",
 ]
 
 CONFIG, METRICS, CHECKPOINTS, LATEST = "config.json", "metrics.jsonl", "checkpoints", "latest"
+PARTIAL = ".partial"
+_STEP_FOLDER = re.compile(r"step_(\d+)")
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be read or resumed as it is; the message names the file (and line)."""
 
 
 def method_label(config: Mapping | object) -> str:
@@ -91,7 +123,7 @@ def method_label(config: Mapping | object) -> str:
 
 
 class RunFolder:
-    """Writes a run folder: config once, one metrics line per step (flushed), checkpoints."""
+    """Writes a run folder: config once (atomically), one durable metrics line per step, checkpoints."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -101,43 +133,57 @@ class RunFolder:
         return self.path / METRICS
 
     def exists(self) -> bool:
+        """Whether the folder holds a run (a config or a metrics log), i.e. whether a new run would clobber one."""
         return (self.path / CONFIG).exists() or self.metrics_path.exists()
 
     def write_config(self, config: Mapping) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.path / CONFIG, json.dumps(dict(config), indent=2, sort_keys=False) + "\n")
+        durable.fsync_dir(self.path.parent)
+        durable.atomic_write(self.path / CONFIG, (json.dumps(dict(config), indent=2) + "\n").encode())
 
     def log(self, record: Mapping) -> None:
-        """Append one step's record and flush it to disk, so an interrupted run keeps every completed step."""
-        with self.metrics_path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(_plain(record), allow_nan=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """Append one step's record durably (flush + fsync), so an interrupted run keeps every completed step."""
+        durable.append(self.metrics_path, (json.dumps(_plain(record), allow_nan=True) + "\n").encode())
 
     def truncate(self, step: int) -> None:
-        """Keep only the records of steps <= ``step`` (resume: the steps after the checkpoint are redone)."""
-        kept = [r for r in load_metrics(self.path) if r.get("step", 0) <= step]
-        _atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        """Keep only the records of steps <= ``step`` (their lines byte for byte), atomically."""
+        lines = [line for line in _lines(self.metrics_path) if not _torn(line)] if self.metrics_path.is_file() else []
+        kept = [line for line in lines if _record(self.metrics_path, line).get("step", 0) <= step]
+        durable.atomic_write(self.metrics_path, b"".join(line.raw + b"\n" for line in kept))
 
 
 def load_config(path: str | Path) -> dict:
+    """config.json of a run folder as a dict; RunFolderError naming the file and line if it is not a JSON object."""
     file = Path(path) / CONFIG
     if not file.is_file():
         raise FileNotFoundError(f"no {CONFIG} in run folder {path}")
-    return json.loads(file.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(file.read_bytes().decode("utf-8"))
+    except json.JSONDecodeError as err:
+        raise RunFolderError(f"{file} line {err.lineno}: not valid JSON ({err.msg})") from None
+    except UnicodeDecodeError as err:
+        raise RunFolderError(f"{file}: not UTF-8 text ({err})") from None
+    if not isinstance(config, dict):
+        raise RunFolderError(f"{file}: a JSON {type(config).__name__}, not an object of TrainConfig fields")
+    return config
 
 
 def load_metrics(path: str | Path) -> list[dict]:
-    """The metrics records of a run; a torn last line (a run killed mid-write) is ignored."""
+    """The metrics records of a run, one per line of metrics.jsonl.
+
+    A line that is not a JSON object raises RunFolderError naming the file and line. The one exception is an
+    unterminated last line that does not parse: a write in progress, or one cut by a kill (a torn line). It is left
+    out with a warning naming it; resuming the run redoes its step (``check_resume``).
+    """
     file = Path(path) / METRICS
     if not file.is_file():
         return []
     records = []
-    for line in file.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+    for line in _lines(file):
+        if _torn(line):
+            warnings.warn(f"{file} line {line.number}: torn last line ({len(line.raw)} bytes) left out", stacklevel=2)
             continue
+        records.append(_record(file, line))
     return records
 
 
@@ -182,7 +228,7 @@ def compare(paths: Iterable[str | Path], metrics: Iterable[str] | None = None) -
 
 
 def latest_checkpoint(path: str | Path) -> Path | None:
-    """The newest complete checkpoint folder of a run, or None."""
+    """The newest committed checkpoint folder of a run (what ``checkpoints/latest`` names), or None."""
     pointer = Path(path) / CHECKPOINTS / LATEST
     if not pointer.is_file():
         return None
@@ -191,31 +237,45 @@ def latest_checkpoint(path: str | Path) -> Path | None:
 
 
 def save_checkpoint(path: str | Path, step: int, model, optimizer=None, tokenizer=None) -> Path:
-    """Save the trainable weights, optimizer state and RNG states after ``step``; point ``latest`` at it last, so
-    a crash mid-save leaves the previous checkpoint as the latest."""
+    """Save the trainable weights, optimizer state and RNG states after ``step`` (order 3-4 of the module docstring):
+    into step_{k}.partial/, state.json with every file's size and sha256 last, rename, then point ``latest`` at it.
+    A crash at any moment leaves the previous checkpoint as the latest."""
     import numpy as np
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from lopti_lab.models import is_peft, trainable_state_dict
 
-    folder = Path(path) / CHECKPOINTS / f"step_{step}"
-    folder.mkdir(parents=True, exist_ok=True)
+    root = Path(path) / CHECKPOINTS
+    final, partial = root / f"step_{step}", root / f"step_{step}{PARTIAL}"
+    if final.is_dir() and latest_checkpoint(path) == final:
+        raise RunFolderError(f"{final} is already the latest checkpoint; a step is saved once")
+    root.mkdir(parents=True, exist_ok=True)
+    durable.remove(partial)  # left by a crash mid-save: never committed
+    partial.mkdir()
+    blobs = {}
     if is_peft(model):
-        model.save_pretrained(folder / "adapter")  # loadable with peft.PeftModel.from_pretrained(base, folder)
+        model.save_pretrained(partial / "adapter")  # loadable with peft.PeftModel.from_pretrained(base, folder)
     else:
-        save_file(trainable_state_dict(model), folder / "model.safetensors")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder / "tokenizer")
+        blobs["model.safetensors"] = save(trainable_state_dict(model))
+    if tokenizer is not None and not is_peft(model):
+        tokenizer.save_pretrained(partial / "tokenizer")
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        blobs["optimizer.pt"] = _torch_bytes(optimizer.state_dict())
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, folder / "rng.pt")
-    _atomic_write(folder / "state.json", json.dumps({"step": step}) + "\n")
-    _atomic_write(Path(path) / CHECKPOINTS / LATEST, folder.name + "\n")
-    return folder
+    blobs["rng.pt"] = _torch_bytes(rng)
+    for name, data in blobs.items():
+        durable.write(partial / name, data)
+    durable.sync_tree(partial)  # what save_pretrained wrote
+    state = {"step": step, "files": _manifest(partial)}
+    durable.write(partial / "state.json", (json.dumps(state, indent=1) + "\n").encode())
+    durable.fsync_dir(partial)
+    durable.remove(final)  # an uncommitted leftover (renamed, but latest never named it)
+    durable.replace(partial, final)
+    durable.atomic_write(root / LATEST, (final.name + "\n").encode())
+    return final
 
 
 def load_checkpoint(folder: str | Path, model, optimizer=None, restore_rng: bool = True) -> int:
@@ -257,13 +317,212 @@ def load_checkpoint(folder: str | Path, model, optimizer=None, restore_rng: bool
     return int(json.loads((folder / "state.json").read_text(encoding="utf-8"))["step"])
 
 
+# --- resume: check, then repair -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ResumePoint:
+    """Where a run continues: after ``step`` (0 = from the initial weights), from ``checkpoint``."""
+
+    step: int
+    checkpoint: Path | None
+    records: list[dict]
+    """the metrics of steps 1..step, which the resumed run keeps"""
+    config: dict
+    """config.json as saved"""
+    notes: list[str] = field(default_factory=list)
+    """what ``repair_for_resume`` changes and why (records dropped, a torn line, stale checkpoints)"""
+    kept: bytes = b""
+    """metrics.jsonl as it will be: the lines of the kept records, each newline-terminated"""
+
+
+def check_resume(path: str | Path) -> ResumePoint:
+    """Verify a run folder and find where it continues; reads only (``repair_for_resume`` applies the result).
+
+    Every complete line of metrics.jsonl must be a record and the steps must run 1, 2, ..., m, each once; the
+    checkpoint ``latest`` names must exist with every file state.json lists, at its size and sha256. It resumes at
+    the latest checkpoint when all of its steps have records, else (a torn or lost last line: the checkpoint is ahead
+    of the log) at the newest checkpoint, or the start, that the surviving records cover. RunFolderError otherwise.
+    """
+    path = Path(path)
+    if not (path / CONFIG).is_file():
+        what = "a metrics.jsonl but no config.json" if (path / METRICS).exists() else "no config.json"
+        raise RunFolderError(f"{path} holds no run to resume ({what}); start it without resume")
+    config = load_config(path)
+    lines, records = _consistent_lines(path / METRICS)
+    last, notes = len(records), []
+    if len(lines) > last:
+        notes.append(f"{METRICS} line {lines[-1].number}: a torn last line ({len(lines[-1].raw)} bytes) is dropped")
+    latest = _committed_step(path)
+    chosen = latest
+    if latest is not None and latest > last:
+        chosen = max((k for k in _checkpoint_steps(path) if k <= last), default=None)
+        start = f"step_{chosen}" if chosen is not None else "the start"
+        notes.append(f"checkpoint step_{latest} is ahead of {METRICS} (last record: step {last}): resuming from "
+                     f"{start}")  # fmt: skip
+    step = chosen or 0
+    folder = None if chosen is None else _verified(path / CHECKPOINTS / f"step_{chosen}", chosen)
+    if last > step:
+        notes.append(f"the records of {_span(step + 1, last)} come after the checkpoint: dropped, and redone")
+    kept = b"".join(line.raw + b"\n" for line in lines[:step])
+    return ResumePoint(step, folder, records[:step], config, notes, kept)
+
+
+def repair_for_resume(path: str | Path, point: ResumePoint) -> None:
+    """Make the folder match ``point``, in an order that a crash at any moment leaves re-checkable: metrics.jsonl cut
+    to the kept records, ``latest`` pointed at the checkpoint resumed from, then newer and partial checkpoints and
+    leftover .tmp files removed."""
+    path = Path(path)
+    metrics = path / METRICS
+    if metrics.is_file() and metrics.read_bytes() != point.kept:
+        durable.atomic_write(metrics, point.kept)
+    root = path / CHECKPOINTS
+    if point.checkpoint is None:
+        durable.remove(root / LATEST)
+    elif latest_checkpoint(path) != point.checkpoint:
+        durable.atomic_write(root / LATEST, (point.checkpoint.name + "\n").encode())
+    stale = [root / f"step_{k}" for k in _checkpoint_steps(path) if k > point.step]
+    stale += [*root.glob(f"*{PARTIAL}"), *root.glob(f"*{durable.TMP}"), *path.glob(f"*{durable.TMP}")]
+    for leftover in stale:
+        durable.remove(leftover)
+
+
+def _consistent_lines(file: Path) -> tuple[list[_Line], list[dict]]:
+    """The lines and records of metrics.jsonl if steps run 1..m with one record each (a torn last line is kept in
+    the lines but has no record); RunFolderError naming the line otherwise."""
+    lines = _lines(file) if file.is_file() else []
+    records: list[dict] = []
+    for line in lines:
+        if _torn(line):
+            break
+        record = _record(file, line)
+        step = record.get("step")
+        if not (isinstance(step, int) and not isinstance(step, bool)):
+            raise RunFolderError(f"{file} line {line.number}: no integer 'step' in the record")
+        expected = len(records) + 1
+        if step != expected:
+            problem = f"step {step} again" if step < expected else f"step {step} where step {expected} is missing"
+            raise RunFolderError(f"{file} line {line.number}: {problem} (each step needs exactly one record)")
+        records.append(record)
+    return lines, records
+
+
+def _committed_step(path: Path) -> int | None:
+    """The step ``checkpoints/latest`` names (verified later), or None when there is no committed checkpoint."""
+    pointer = path / CHECKPOINTS / LATEST
+    if not pointer.exists():
+        return None
+    match = _STEP_FOLDER.fullmatch(pointer.read_bytes().decode("utf-8", "replace").strip())
+    if match is None:
+        raise RunFolderError(f"{pointer} line 1: not a checkpoint name (step_<k>)")
+    folder = path / CHECKPOINTS / match.group(0)
+    if not folder.is_dir():
+        raise RunFolderError(f"{pointer} names {match.group(0)}, but {folder} does not exist (a missing checkpoint)")
+    return int(match.group(1))
+
+
+def _checkpoint_steps(path: Path) -> list[int]:
+    root = path / CHECKPOINTS
+    found = [_STEP_FOLDER.fullmatch(p.name) for p in root.iterdir()] if root.is_dir() else []
+    return sorted(int(m.group(1)) for m in found if m is not None)
+
+
+def _verified(folder: Path, step: int) -> Path:
+    """``folder`` if it is the complete checkpoint of ``step``: state.json names the step and every file it lists
+    has its recorded size and sha256 (checkpoints saved before the file list existed: the weights and RNG files)."""
+    state_file = folder / "state.json"
+    if not state_file.is_file():
+        raise RunFolderError(f"{state_file} is missing (a partial checkpoint)")
+    try:
+        state = json.loads(state_file.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RunFolderError(f"{state_file}: not valid JSON ({err})") from None
+    if not isinstance(state, dict) or state.get("step") != step:
+        raise RunFolderError(f"{state_file}: records step {state.get('step') if isinstance(state, dict) else state!r}"
+                             f", not {step}")  # fmt: skip
+    listed = state.get("files") or {
+        name: None for name in ("rng.pt",) + (("adapter",) if (folder / "adapter").is_dir() else ("model.safetensors",))
+    }
+    for name, meta in listed.items():
+        file = folder / name
+        if not file.exists():
+            raise RunFolderError(f"{file} is missing (a partial checkpoint)")
+        if meta is None:
+            continue
+        size = file.stat().st_size
+        if size != meta["bytes"]:
+            raise RunFolderError(f"{file}: {size} bytes, state.json records {meta['bytes']} (a partial checkpoint)")
+        if _sha256(file.read_bytes()) != meta["sha256"]:
+            raise RunFolderError(f"{file}: content differs from the sha256 in state.json (a damaged checkpoint)")
+    return folder
+
+
 # --- helpers -------------------------------------------------------------------------------------------------------
 
 
-def _atomic_write(file: Path, text: str) -> None:
-    tmp = file.with_name(file.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, file)
+@dataclass(frozen=True)
+class _Line:
+    number: int
+    """1-based line number in the file"""
+    raw: bytes
+    """the line's bytes, without its newline"""
+    terminated: bool
+
+
+def _lines(file: Path) -> list[_Line]:
+    """The lines of a file as bytes: b'a\\nb' -> [_Line(1, b'a', True), _Line(2, b'b', False)]."""
+    parts = file.read_bytes().split(b"\n")
+    lines = [_Line(i, raw, True) for i, raw in enumerate(parts[:-1], 1)]
+    if parts[-1]:
+        lines.append(_Line(len(parts), parts[-1], False))
+    return lines
+
+
+def _parse(line: _Line) -> tuple[dict | None, str]:
+    """(record, "") or (None, what is wrong)."""
+    try:
+        value = json.loads(line.raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        return None, f"not valid JSON ({err})"
+    if not isinstance(value, dict):
+        return None, f"a JSON {type(value).__name__}, not a record"
+    return value, ""
+
+
+def _torn(line: _Line) -> bool:
+    """An unterminated last line that does not parse: a prefix of an append (the writer adds the newline last)."""
+    return not line.terminated and _parse(line)[0] is None
+
+
+def _record(file: Path, line: _Line) -> dict:
+    record, problem = _parse(line)
+    if record is None:
+        raise RunFolderError(f"{file} line {line.number}: {problem}")
+    return record
+
+
+def _span(first: int, last: int) -> str:
+    """'step 3' or 'steps 3-5'."""
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def _torch_bytes(obj) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, dict]:
+    """{relative path: {"bytes", "sha256"}} of every file under ``folder``."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p.read_bytes())}
+            for p in files}  # fmt: skip
 
 
 def _plain(record: Mapping) -> dict:

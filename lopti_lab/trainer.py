@@ -38,16 +38,19 @@ import torch
 from tqdm.auto import tqdm
 
 from lopti_lab import runs
+from lopti_lab.checks import FieldCheck, is_int, is_real
 from lopti_lab.kk import PROMPT_STYLES, Puzzle, build_prompt, load_split, score_response
+from lopti_lab.kk.data import split_files
 from lopti_lab.models import DEFAULT_LORA_TARGETS, LoraSpec, Reference, check_model_name, load_policy
 from lopti_lab.objective import group_advantages, lopti_stages, masked_mean, policy_loss, reweight_advantages
 from lopti_lab.probes import GradientProbe, probability_shift
 from lopti_lab.probes.shift import float64_logprobs
-from lopti_lab.rollout import Rollout, add_logprobs, response_logprobs, sample
+from lopti_lab.rollout import FAST_PATHS, Rollout, add_logprobs, response_logprobs, sample, use_lean
 
 __all__ = [
     "TrainConfig",
     "TrainResult",
+    "accuracy_se",
     "advantages_and_stages",
     "evaluate",
     "load_trained",
@@ -110,6 +113,10 @@ class TrainConfig:
     generate_batch_size: int | None = None
     """rows per generate call (GPU memory; None = the whole batch) and, without micro_batch_size, per log-prob
     forward"""
+    fast_path: str = "auto"
+    """"auto": on a CPU, Qwen2 models decode with lopti_lab's lean loop (whose sampling logits also give pi_old) and
+    run the update's forward with each prompt computed once per group; other models and GPUs use HF generate and
+    forward. "lean": require that path (fail if the model cannot take it); "hf": HF everywhere (rollout.FAST_PATHS)"""
 
     # --- optimisation ---
     lr: float = 1e-6
@@ -131,6 +138,9 @@ class TrainConfig:
     None = the whole minibatch"""
     ppo_epochs: int = 1
     """passes over the step's batch per stage (the paper: 1)"""
+    max_nonfinite_steps: int = 3
+    """stop the run (checkpoint saved, resumable) after this many consecutive RL steps whose update met a NaN/inf loss
+    or gradient; such updates are skipped, never applied; 0 = never stop"""
 
     # --- objective ---
     advantage_scale: str = "std"
@@ -235,79 +245,108 @@ class TrainConfig:
 
 
 def _validate(c: TrainConfig) -> None:
-    """Raise ValueError naming the first bad field; runs before any data or model is touched."""
+    """Raise ValueError naming the first bad field (``TrainConfig.<field> ...``); runs before any model loads.
 
-    def need(ok: bool, name: str, what: str) -> None:
-        if not ok:
-            raise ValueError(f"TrainConfig.{name} {what}, got {getattr(c, name)!r}")
-
-    def optional(name: str, test: Callable[[Any], bool], what: str) -> None:
-        value = getattr(c, name)
-        need(value is None or test(value), name, what + " or None")
-
-    def positive_int(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
+    Types before ranges (a string where a number belongs is refused by name, not left to fail as a TypeError deep in
+    training), then combinations: a minibatch that does not divide the batch, a Lopti threshold that empties a stage
+    by construction, an evaluation without a mode, people counts without data files. docs/bad_inputs.md is the table
+    of every field with the bad values tried and the error each gets (``python -m lopti_lab.bad_inputs``).
+    """
+    check = FieldCheck(c)
+    # --- model
+    check.text("model")
     try:
         check_model_name(c.model)
     except ValueError as err:
         raise ValueError(f"TrainConfig.{err}") from None
-    optional("lora_r", positive_int, "must be an int >= 1")
-    need(c.lora_alpha > 0, "lora_alpha", "must be > 0")
-    need(0.0 <= c.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
-    need(len(c.lora_targets) > 0, "lora_targets", "must name at least one module")
-    need(c.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
-    try:
-        need(c.device == "auto" or torch.device(c.device) is not None, "device", "must be 'auto' or a torch device")
-    except (RuntimeError, TypeError):
-        need(False, "device", "must be 'auto' or a torch device")
-    need(c.prompt_style in PROMPT_STYLES, "prompt_style", f"must be one of {PROMPT_STYLES}")
-    for name in ("train_people", "eval_people"):
-        need(all(positive_int(n) and n >= 2 for n in getattr(c, name)), name, "must be people counts >= 2")
-    need(len(c.train_people) > 0, "train_people", "must not be empty")
-    optional("data_root", lambda p: Path(p).is_dir(), "must be an existing folder")
-    optional("train_limit", positive_int, "must be an int >= 1")
-    need(positive_int(c.prompts_per_step), "prompts_per_step", "must be an int >= 1")
-    need(positive_int(c.group_size) and c.group_size >= 2, "group_size", "must be an int >= 2 (GRPO needs a group)")
-    need(c.temperature > 0, "temperature", "must be > 0")
-    need(0.0 < c.top_p <= 1.0, "top_p", "must be in (0, 1]")
-    need(positive_int(c.max_new_tokens), "max_new_tokens", "must be an int >= 1")
-    optional("max_prompt_tokens", positive_int, "must be an int >= 1")
-    optional("generate_batch_size", positive_int, "must be an int >= 1")
-    need(c.lr > 0, "lr", "must be > 0")
-    need(c.weight_decay >= 0, "weight_decay", "must be >= 0")
-    need(c.adam_eps > 0, "adam_eps", "must be > 0")
-    need(isinstance(c.warmup_steps, int) and c.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
-    need(len(c.betas) == 2 and all(0.0 <= b < 1.0 for b in c.betas), "betas", "must be two numbers in [0, 1)")
-    optional("grad_clip", lambda v: v > 0, "must be > 0")
-    need(positive_int(c.minibatch_size), "minibatch_size", "must be an int >= 1")
-    need(c.batch_size % c.minibatch_size == 0, "minibatch_size", f"must divide the batch B = {c.batch_size}")
-    optional("micro_batch_size", lambda v: positive_int(v) and c.minibatch_size % v == 0, "must divide minibatch_size")
-    need(positive_int(c.ppo_epochs), "ppo_epochs", "must be an int >= 1")
-    need(c.advantage_scale in ("std", "none"), "advantage_scale", "must be 'std' or 'none'")
-    need(0.0 <= c.clip_low < 1.0, "clip_low", "must be in [0, 1)")
-    need(c.clip_high >= 0.0, "clip_high", "must be >= 0")
-    optional("dual_clip", lambda v: v > 1.0, "must be > 1")
-    need(c.kl_coef >= 0.0, "kl_coef", "must be >= 0")
-    optional("ar_alpha", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
-    optional("lopti_eta", lambda v: 0.0 < v < 1.0, "must be in (0, 1)")
-    need(c.lopti_order in ("low_first", "high_first"), "lopti_order", "must be 'low_first' or 'high_first'")
-    need(positive_int(c.steps), "steps", "must be an int >= 1")
-    need(isinstance(c.seed, int), "seed", "must be an int")
-    need(isinstance(c.eval_every, int) and c.eval_every >= 0, "eval_every", "must be an int >= 0")
-    need(positive_int(c.eval_size), "eval_size", "must be an int >= 1")
-    need(set(c.eval_modes) <= {"greedy", "sample"}, "eval_modes", "must hold 'greedy' and/or 'sample'")
-    need(positive_int(c.eval_samples), "eval_samples", "must be an int >= 1")
-    need(c.eval_temperature > 0, "eval_temperature", "must be > 0")
-    optional("eval_max_new_tokens", positive_int, "must be an int >= 1")
-    need(isinstance(c.probe_every, int) and c.probe_every >= 0, "probe_every", "must be an int >= 0")
+    check.integer("lora_r", low=1, optional=True)
+    check.integer("lora_alpha", low=1)
+    check.real("lora_dropout", 0.0, 1.0, high_open=True)
+    check.items("lora_targets", lambda t: isinstance(t, str) and t != "", "module names", distinct=True)
+    check.choice("dtype", ("auto", "float32", "bfloat16", "float16"))
+    check.text("device")
+    check.need(c.device == "auto" or _is_device(c.device), "device", "must be 'auto' or a torch device ('cuda:1')")
+    check.flag("gradient_checkpointing")
+    # --- data
+    check.choice("prompt_style", PROMPT_STYLES)
+    check.items("train_people", _people_count, "people counts >= 2", distinct=True)
+    check.items("eval_people", _people_count, "people counts >= 2", nonempty=False, distinct=True)
+    check.text("data_root", optional=True)
+    check.need(c.data_root is None or Path(c.data_root).is_dir(), "data_root", "must be an existing folder or None")
+    check.integer("train_limit", low=1, optional=True)
+    # --- rollout
+    check.integer("prompts_per_step", low=1)
+    check.integer("group_size", low=2)  # GRPO's advantage is relative to a group
+    check.real("temperature", low=0, low_open=True)
+    check.real("top_p", 0.0, 1.0, low_open=True)
+    check.integer("max_new_tokens", low=1)
+    check.integer("max_prompt_tokens", low=1, optional=True)
+    check.integer("generate_batch_size", low=1, optional=True)
+    check.choice("fast_path", FAST_PATHS)
+    # --- optimisation
+    check.real("lr", low=0, low_open=True)
+    check.real("weight_decay", low=0)
+    check.items("betas", lambda b: is_real(b) and 0 <= b < 1, "two numbers in [0, 1)")
+    check.need(len(c.betas) == 2, "betas", "must be two numbers in [0, 1)")
+    check.real("adam_eps", low=0, low_open=True)
+    check.integer("warmup_steps", low=0)
+    check.real("grad_clip", low=0, low_open=True, optional=True)
+    check.integer("minibatch_size", low=1)
+    batch = c.batch_size
+    check.need(batch % c.minibatch_size == 0, "minibatch_size", f"must divide the batch B = {batch} (prompts x group)")
+    check.integer("micro_batch_size", low=1, optional=True)
+    micro = c.micro_batch_size
+    check.need(micro is None or c.minibatch_size % micro == 0, "micro_batch_size", "must divide minibatch_size")
+    check.integer("ppo_epochs", low=1)
+    check.integer("max_nonfinite_steps", low=0)
+    # --- objective
+    check.choice("advantage_scale", ("std", "none"))
+    check.real("clip_low", 0.0, 1.0, high_open=True)
+    check.real("clip_high", low=0.0)
+    check.real("dual_clip", low=1.0, low_open=True, optional=True)
+    check.real("kl_coef", low=0.0)
+    check.real("ar_alpha", 0.0, 1.0, optional=True)
+    # Lopti stage 1 holds the tokens with pi_old < eta: eta <= 0 empties it, eta >= 1 empties stage 2 (PAPER.md §4)
+    check.real("lopti_eta", 0.0, 1.0, low_open=True, high_open=True, optional=True)
+    check.choice("lopti_order", ("low_first", "high_first"))
+    # --- schedule, evaluation, probes, output
+    check.integer("steps", low=1)
+    check.integer("seed", 0, 2**32 - 1)  # numpy's seed range
+    check.integer("eval_every", low=0)
+    check.integer("eval_size", low=1)
+    check.items("eval_modes", lambda m: m in ("greedy", "sample"), "'greedy' / 'sample'", nonempty=False, distinct=True)
+    check.need(bool(c.eval_modes) or not c.eval_people, "eval_modes", "must name a mode (eval_people=() turns it off)")
+    check.integer("eval_samples", low=1)
+    check.real("eval_temperature", low=0, low_open=True)
+    check.integer("eval_max_new_tokens", low=1, optional=True)
+    check.integer("probe_every", low=0)
     edges = c.probe_bins
-    need(
-        len(edges) >= 2 and edges[0] == 0.0 and edges[-1] == 1.0 and all(a < b for a, b in itertools.pairwise(edges)),
-        "probe_bins",
-        "must be increasing bin edges from 0 to 1",
-    )
-    need(isinstance(c.save_every, int) and c.save_every >= 0, "save_every", "must be an int >= 0")
+    check.items("probe_bins", is_real, "numbers")
+    increasing = all(a < b for a, b in itertools.pairwise(edges))
+    check.need(len(edges) >= 2 and edges[0] == 0 and edges[-1] == 1 and increasing, "probe_bins", "must be increasing "
+               "bin edges from 0 to 1")  # fmt: skip
+    check.integer("save_every", low=0)
+    check.text("run_dir", optional=True)
+    check.need(c.run_dir is None or not Path(c.run_dir).is_file(), "run_dir", "must be a folder, not a file")
+    check.flag("progress")
+    # last, as it touches the disk (a few globs): a people count without a data file fails here, not after loading
+    for split, name in (("train", "train_people"), ("test", "eval_people")):
+        try:
+            split_files(split, getattr(c, name), c.data_root) if getattr(c, name) else None
+        except FileNotFoundError as err:
+            raise ValueError(f"TrainConfig.{name}: {err}") from None
+
+
+def _people_count(n) -> bool:
+    return is_int(n) and n >= 2
+
+
+def _is_device(text: str) -> bool:
+    try:
+        torch.device(text)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
 
 
 # --- one RL step ------------------------------------------------------------------------------------------------------
@@ -380,6 +419,7 @@ def update_policy(
                     config.temperature,
                     with_entropy=on_policy,
                     before_forward=_probe_tokens(probe, rollout, m),
+                    fast_path=config.fast_path,
                 )  # (b, T)
                 if on_policy:  # the weights are still the rollout's: this forward IS pi_old, exactly
                     sums["entropy"] += (entropy * rollout.response_mask[m]).sum()
@@ -463,6 +503,15 @@ def train_step(
     """One RL step on ``puzzles`` (prompts_per_step of them): rollout, reward, advantages, update; its metrics."""
     cfg, group = config, config.group_size
     sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    # pi_old before the update: AR weights and Lopti stages read it, a probe bins by it, and a second optimizer step
+    # needs it from the weights before the first. Plain GRPO with one optimizer step per rollout gets it exactly from
+    # its update forward instead (weights unchanged until the step), which saves a forward pass, as TRL does.
+    needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or cfg.optimizer_steps_per_stage > 1
+    # The lean decoder's sampling logits give pi_old for free: the rollout policy at the sampling temperature, which
+    # is what the ratio's denominator is (PAPER.md §2), equal to a forward's log-probs to float32 rounding
+    # (tests/test_decode.py). A probe step still takes them from a forward, so that its before/after probability
+    # shift compares two forwards' identical arithmetic.
+    from_decode = needs_old and not probe and use_lean(model, cfg.fast_path)
     t0 = time.perf_counter()
     prompts = [build_prompt(p, cfg.prompt_style, tokenizer) for p in puzzles]
     rollout = sample(
@@ -475,15 +524,13 @@ def train_step(
         top_p=cfg.top_p,
         max_prompt_tokens=cfg.max_prompt_tokens,
         batch_size=cfg.generate_batch_size,
-        with_logprobs=False,
+        with_logprobs=from_decode,
+        fast_path=cfg.fast_path,
     )
     sync()
     t1 = time.perf_counter()
-    # pi_old before the update: AR weights and Lopti stages read it, a probe bins by it, and a second optimizer step
-    # needs it from the weights before the first. Plain GRPO with one optimizer step per rollout gets it exactly from
-    # its update forward instead (weights unchanged until the step), which saves a forward pass, as TRL does.
-    needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or cfg.optimizer_steps_per_stage > 1
-    add_logprobs(model, rollout, cfg.temperature, True, reference, cfg.logprob_batch_size, policy=needs_old)
+    policy = needs_old and rollout.old_logp is None
+    add_logprobs(model, rollout, cfg.temperature, True, reference, cfg.logprob_batch_size, policy, cfg.fast_path)
     sync()
     t2 = time.perf_counter()
     rewards = score_rollout(rollout, puzzles)
@@ -580,13 +627,15 @@ def evaluate(
     batch_size: int | None = None,
     seed: int = 0,
     prefix: str = "eval",
+    fast_path: str = "auto",
 ) -> dict[str, float]:
     """Test accuracy (share of completions with reward 3) by people count, greedy and/or ``samples`` sampled
-    completions per puzzle at ``temperature``.
+    completions per puzzle at ``temperature``, each with its standard error.
 
     Keys: ``{prefix}/{mode}/acc_{n}ppl``, ``{prefix}/{mode}/acc_all`` (the mean over people counts, the paper's
-    "avg"), ``{prefix}/{mode}/format_error_rate`` and ``{prefix}/{mode}/len_mean``. Sampling runs under a forked
-    torch RNG seeded with ``seed``, so evaluating never changes the training run's random stream.
+    "avg"), each with an ``_se`` twin (``accuracy_se``), ``{prefix}/{mode}/format_error_rate`` and
+    ``{prefix}/{mode}/len_mean``. Sampling runs under a forked torch RNG seeded with ``seed``, so evaluating never
+    changes the training run's random stream. ``fast_path``: the decoder (``rollout.FAST_PATHS``).
     """
     puzzles = list(puzzles)
     if not puzzles:
@@ -609,16 +658,34 @@ def evaluate(
                 greedy=mode == "greedy",
                 batch_size=batch_size,
                 with_logprobs=False,
+                fast_path=fast_path,
             )
         rewards = score_rollout(rollout, puzzles)
-        correct = np.array([r.total == 3.0 for r in rewards], dtype=float)  # (puzzles x group,)
-        row_people = np.repeat(people, group)
-        per_people = {int(n): float(correct[row_people == n].mean()) for n in sorted(set(people.tolist()))}
+        correct = np.array([r.total == 3.0 for r in rewards], dtype=float).reshape(len(puzzles), group)  # (n, G)
+        counts = sorted(set(people.tolist()))
+        per_people = {n: float(correct[people == n].mean()) for n in counts}
+        se = {n: accuracy_se(correct[people == n]) for n in counts}
         out.update({f"{prefix}/{mode}/acc_{n}ppl": acc for n, acc in per_people.items()})
+        out.update({f"{prefix}/{mode}/acc_{n}ppl_se": value for n, value in se.items()})
         out[f"{prefix}/{mode}/acc_all"] = float(np.mean(list(per_people.values())))
+        out[f"{prefix}/{mode}/acc_all_se"] = math.sqrt(sum(v**2 for v in se.values())) / len(counts)
         out[f"{prefix}/{mode}/format_error_rate"] = float(np.mean([r.format_score < 0 for r in rewards]))
         out[f"{prefix}/{mode}/len_mean"] = rollout.lengths.float().mean().item()
     return out
+
+
+def accuracy_se(correct: np.ndarray) -> float:
+    """Standard error of the accuracy of n puzzles x G completions, correct: (n, G) of 0/1.
+
+    The puzzles are the independent units (a puzzle's completions share its difficulty, so they are not
+    independent draws): the accuracy is the mean of the n per-puzzle means c_i, and its standard error is
+    sd(c_i) / sqrt(n) (sample sd, ddof 1), the cluster-robust binomial error. G = 1 gives the binomial
+    sqrt(p (1 - p) / (n - 1)). Example: correct [[1, 0], [1, 1], [0, 0], [1, 0]] has c = (0.5, 1, 0, 0.5), accuracy
+    0.5, sd 0.408, SE 0.204 (treating the 8 completions as independent would give 0.189). NaN for one puzzle."""
+    per_puzzle = correct.mean(1)  # (n,)
+    if len(per_puzzle) < 2:
+        return math.nan
+    return float(per_puzzle.std(ddof=1) / math.sqrt(len(per_puzzle)))
 
 
 # --- the loop ---------------------------------------------------------------------------------------------------------
@@ -657,7 +724,16 @@ class PuzzleStream:
 
 
 # fields a resumed run may change (everything else must match the saved config)
-RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "progress", "run_dir")
+RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "progress", "run_dir", "max_nonfinite_steps")
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised by ``train`` after ``max_nonfinite_steps`` consecutive steps whose updates were skipped for a NaN/inf
+    loss or gradient. The run folder is saved at the last of them and can resume; ``result`` is the TrainResult."""
+
+    def __init__(self, message: str, result: TrainResult):
+        super().__init__(message)
+        self.result = result
 
 
 def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool = False) -> TrainResult:
@@ -665,27 +741,28 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
 
     callbacks: each is called with every step's metrics dict (after it is written); a truthy return ends training
     cleanly after that step (a checkpoint is saved, so the run can resume). ``resume=True`` continues from the run
-    folder's latest checkpoint: weights, optimizer and RNG states are restored and metrics.jsonl is cut back to that
-    step, so on CPU the continued run reproduces a straight one exactly.
+    folder's latest consistent checkpoint (``runs.check_resume``: a folder that holds no run, or a damaged one, is a
+    RunFolderError naming the file and line): weights, optimizer and RNG states are restored and metrics.jsonl is cut
+    back to that step, so on CPU the continued run reproduces a straight one exactly. After
+    ``config.max_nonfinite_steps`` consecutive non-finite steps it saves a checkpoint and raises NonFiniteError.
     """
     cfg = config
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=str(Path("runs") / f"{cfg.method.lower()}-{time.strftime('%Y%m%d-%H%M%S')}"))
     folder = runs.RunFolder(cfg.run_dir)
-    if resume:
-        saved = TrainConfig.from_dict(runs.load_config(folder.path))
-        changed = [f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(saved, f.name)]
-        changed = [name for name in changed if name not in RESUMABLE_CHANGES]
-        if changed:
-            raise ValueError(f"resume: config differs from {folder.path}/config.json in {changed}")
-    elif folder.exists():
-        raise ValueError(f"TrainConfig.run_dir {cfg.run_dir!r} already holds a run; pass resume=True or a new folder")
+    point = resume_point(cfg) if resume else None
+    if not resume and folder.exists():
+        raise runs.RunFolderError(
+            f"TrainConfig.run_dir {cfg.run_dir!r} already holds a run; pass resume=True or a new folder"
+        )
 
     # data first: cheap, and a missing file fails before any model loads
     stream = PuzzleStream(
         load_split("train", cfg.train_people, cfg.data_root, cfg.train_limit), cfg.prompts_per_step, cfg.seed
     )
     eval_set = load_split("test", cfg.eval_people, cfg.data_root, cfg.eval_size) if cfg.eval_people else []
+    if point is None:
+        folder.write_config(cfg.to_dict())  # the run exists from here: a kill while the model loads can resume
 
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -699,13 +776,14 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
     )
 
     start, history = 0, []
-    checkpoint = runs.latest_checkpoint(folder.path) if resume else None
-    if checkpoint is not None:
-        start = runs.load_checkpoint(checkpoint, model, optimizer)
-    if resume:
-        folder.truncate(start)
-        history = runs.load_metrics(folder.path)
-    folder.write_config(cfg.to_dict())
+    if point is not None:
+        if point.checkpoint is not None:  # else: the initial weights and the seeded RNG, as a straight run starts
+            start = runs.load_checkpoint(point.checkpoint, model, optimizer)
+        runs.repair_for_resume(folder.path, point)
+        for note in point.notes:
+            print(f"resume {folder.path}: {note}", file=sys.stderr)
+        history = list(point.records)
+        folder.write_config(cfg.to_dict())
 
     stopped = False
     bar = tqdm(
@@ -731,6 +809,7 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
                     temperature=cfg.eval_temperature,
                     batch_size=cfg.generate_batch_size,
                     seed=cfg.seed,
+                    fast_path=cfg.fast_path,
                 )
             )
             metrics["time/eval"] = time.perf_counter() - t_eval
@@ -738,13 +817,57 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
         folder.log(metrics)
         history.append(metrics)
         stopped = any([bool(callback(metrics)) for callback in callbacks])  # every callback sees every step
-        if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+        sick = _nonfinite_streak(history)
+        halt = bool(cfg.max_nonfinite_steps) and sick >= cfg.max_nonfinite_steps
+        if stopped or halt or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             runs.save_checkpoint(folder.path, step, model, optimizer, tokenizer)
         bar.set_postfix({"reward": f"{metrics['reward/mean']:.2f}", "acc": f"{metrics['acc/all']:.2f}"})
+        if halt:
+            bar.close()
+            result = TrainResult(folder.path, model, tokenizer, cfg, history, stopped=True)
+            raise NonFiniteError(_nonfinite_message(cfg, step, sick), result)
         if stopped:
             break
     bar.close()
     return TrainResult(folder.path, model, tokenizer, cfg, history, stopped and history[-1]["step"] < cfg.steps)
+
+
+def resume_point(cfg: TrainConfig) -> runs.ResumePoint:
+    """Everything a resume checks before any model loads: the folder (``runs.check_resume``), that its config.json
+    still validates and matches ``cfg`` but for RESUMABLE_CHANGES, and that the run is not past ``cfg.steps``."""
+    path = Path(cfg.run_dir)
+    point = runs.check_resume(path)
+    try:
+        saved = TrainConfig.from_dict(point.config)
+    except (ValueError, TypeError) as err:
+        raise runs.RunFolderError(f"{path / runs.CONFIG} no longer validates: {err}") from None
+    changed = [f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(saved, f.name)]
+    changed = [name for name in changed if name not in RESUMABLE_CHANGES]
+    if changed:
+        raise runs.RunFolderError(f"resume: config differs from {path / runs.CONFIG} in {changed}")
+    if point.step > cfg.steps:
+        raise runs.RunFolderError(f"resume: {path} is at step {point.step}, past TrainConfig.steps={cfg.steps}")
+    return point
+
+
+def _nonfinite_streak(history: Sequence[Mapping]) -> int:
+    """How many of the last steps in a row skipped their update for a non-finite loss or gradient."""
+    streak = 0
+    for record in reversed(history):
+        if not record.get("skipped/nonfinite"):
+            break
+        streak += 1
+    return streak
+
+
+def _nonfinite_message(cfg: TrainConfig, step: int, streak: int) -> str:
+    return (
+        f"stopped: steps {step - streak + 1}-{step} ({streak} in a row, TrainConfig.max_nonfinite_steps="
+        f"{cfg.max_nonfinite_steps}) met a NaN/inf loss or gradient, so their updates were skipped and the weights "
+        f"are those of step {step - streak}. Usual causes: a learning rate too high for the dtype, or float16 "
+        f"overflow. The run is saved at step {step} in {cfg.run_dir}; `lopti-lab train --run-dir {cfg.run_dir} "
+        "--resume` continues it."
+    )
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -831,19 +954,50 @@ def add_cli(subparsers) -> None:
 
 
 def _cli_train(args: argparse.Namespace) -> int:
-    values = json.loads(Path(args.config).read_text(encoding="utf-8")) if args.config else {}
-    values.update({f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    """Exit codes: 0 done, 2 bad input (a config field, a run folder), 3 stopped by non-finite steps (resumable)."""
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     try:
-        cfg = TrainConfig.from_dict(values)
-    except ValueError as err:
+        cfg = TrainConfig.from_dict({**_cli_base_values(args, given.get("run_dir")), **given})
+    except ValueError as err:  # a field, or a run folder (RunFolderError)
         print(f"lopti-lab train: {err}", file=sys.stderr)
         return 2
-    result = train(cfg, resume=args.resume)
+    try:
+        result = train(cfg, resume=args.resume)
+    except runs.RunFolderError as err:  # raised before any model loads
+        print(f"lopti-lab train: {err}", file=sys.stderr)
+        return 2
+    except NonFiniteError as err:
+        print(f"lopti-lab train: {err}", file=sys.stderr)
+        return 3
     last = result.history[-1] if result.history else {}
     print(f"{cfg.method}: {len(result.history)} steps in {result.run_dir}")
     for key in sorted(k for k in last if k.startswith(("eval/", "acc/all", "reward/mean"))):
         print(f"  {key:32s} {last[key]:.4f}")
     return 0
+
+
+def _cli_base_values(args: argparse.Namespace, run_dir: str | None) -> dict:
+    """The values that options not given keep: the --config file's, else on --resume the run's own config.json
+    (so `lopti-lab train --run-dir runs/x --resume` needs no other option), else the defaults."""
+    if args.config:
+        return _json(args.config)
+    if not args.resume:
+        return {}
+    if run_dir is None:
+        raise runs.RunFolderError("--resume needs --run-dir, the folder of the run to continue")
+    if not (Path(run_dir) / runs.CONFIG).is_file():
+        runs.check_resume(run_dir)  # raises: the folder holds no run
+    return runs.load_config(run_dir)
+
+
+def _json(file: str) -> dict:
+    try:
+        values = json.loads(Path(file).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise runs.RunFolderError(f"{file} line {err.lineno}: not valid JSON ({err.msg})") from None
+    if not isinstance(values, dict):
+        raise runs.RunFolderError(f"{file}: a JSON {type(values).__name__}, not an object of TrainConfig fields")
+    return values
 
 
 def _cli_eval(args: argparse.Namespace) -> int:

@@ -109,9 +109,21 @@ def training_defaults(env: Environment, steps: int | None = None):
     return replace(config, steps=steps or config.steps)
 
 
+# Matplotlib is not thread-safe (figures share its font cache), and a TrainPanel draws from its training thread while
+# other panels draw on the kernel's main thread: every panel renders its figures under this lock.
+_RENDER_LOCK = threading.Lock()
+
+
 def _show(output: W.Output, *objects) -> None:
-    """Replace what ``output`` shows in one assignment: the old figure stays until the new one is rendered, so a
-    refresh does not flicker (and the widget state is the same with or without a browser attached)."""
+    """Replace what ``output`` shows by one assignment of its ``outputs`` trait, from any thread.
+
+    This is ipywidgets' recipe for output from a background thread (its Output widget guide, "Interacting with output
+    widgets from background threads"): display the Output from the main thread (each panel's cell does), then never
+    enter ``with output:`` from another thread, since its capture would also take whatever the main thread prints at
+    the time, and IPython's ``display`` / ``clear_output`` go to the cell the main thread is running, not to the
+    widget. Setting the trait is a state update of that one widget, sent as a comm message whichever thread sets it.
+    In one assignment the old figure stays until the new one arrives, so a refresh does not flicker.
+    """
     from IPython.core.formatters import format_display_data
     from matplotlib.figure import Figure
 
@@ -119,7 +131,8 @@ def _show(output: W.Output, *objects) -> None:
     for obj in objects:
         if isinstance(obj, Figure):  # rendered here, so it shows the same with or without a notebook's inline backend
             buffer = io.BytesIO()
-            obj.savefig(buffer, format="png", dpi=90)
+            with _RENDER_LOCK:
+                obj.savefig(buffer, format="png", dpi=90)
             data, metadata = {"image/png": base64.b64encode(buffer.getvalue()).decode(), "text/plain": repr(obj)}, {}
         else:
             data, metadata = format_display_data(obj)
@@ -255,7 +268,10 @@ class TrainPanel(_Panel):
     plots refresh after every step, Stop ends the run cleanly after the current step (its records and a checkpoint
     are kept, so it can resume).
 
-    ``base`` holds every setting the panel does not show (lengths, clip range, evaluation, ...).
+    The training thread talks to the page only by setting widget traits (progress, status, buttons, and the plot
+    through ``_show``), which ipywidgets syncs from any thread; it never prints or displays, since a thread's output
+    lands in whichever cell the main thread is running. ``base`` holds every setting the panel does not show
+    (lengths, clip range, evaluation, ...).
     """
 
     def __init__(self, base=None, env: Environment | None = None, run_root: str | Path = "runs"):

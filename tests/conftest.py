@@ -9,6 +9,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Notebook kernels and CLI subprocesses inherit this: one thread each, like the test workers (one_thread below), so
 # two workers on two cores never oversubscribe them (oversubscribed torch threads slow tiny models down several-fold).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Only package registries are reachable here: the hub's clients (notebook 03's kk.load_hf) then fail at once instead of
+# retrying for ~25 s, and fall back to the bundled data.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SHARED_KK = Path(__file__).resolve().parents[2] / "shared" / "reference" / "kk"
 

@@ -149,3 +149,39 @@ def test_cli_data_writes_files(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="people"):
         main(["data", "--people", "1", "--out", str(out)])
+
+
+def test_bad_records_name_file_line_and_what_is_wrong(tmp_path):
+    """A solution that contradicts its statements names the person whose statement breaks; a record with more than
+    one solution, a field of the wrong type and bytes that are not UTF-8 are refused by line too."""
+    from lopti_lab.kk import generate_puzzle
+    from lopti_lab.kk.logic import contradiction
+
+    p = generate_puzzle(3, seed=0)
+    flipped = list(p.solution)
+    flipped[0] = not flipped[0]
+    speaker = contradiction(p.statements, flipped)
+    assert speaker is not None  # the unique solution flipped is no solution: someone's statement breaks
+    good = json.dumps(p.to_record())
+    path = tmp_path / "people3_num2.jsonl"
+    cases = [
+        (json.dumps({**p.to_record(), "solution": flipped}), rf"line 2: the solution contradicts the statements: it "
+         rf"makes {p.names[speaker]} a (knight|knave), but {p.names[speaker]}'s statement"),
+        (json.dumps({**p.to_record(), "names": "Zoey"}), r"line 2: field 'names' must be a list of names"),
+        ('{"quiz": "\\u00e9', r"line 2: invalid JSON at column \d+"),
+    ]  # fmt: skip
+    for line, message in cases:
+        path.write_text(good + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=rf"people3_num2\.jsonl {message}"):
+            load_jsonl(path)
+    path.write_bytes(good.encode() + b"\n\n" + b'{"quiz": "\xff"}\n')  # a blank line 2 is skipped, line 3 is not
+    with pytest.raises(ValueError, match=r"line 3: not UTF-8"):
+        load_jsonl(path)
+    assert load_jsonl(path, check=False, limit=1) == [p]
+
+
+def test_the_solver_refuses_puzzles_it_cannot_hold():
+    from lopti_lab.kk.logic import MAX_SOLVER_PEOPLE, solve
+
+    with pytest.raises(ValueError, match=f"1..{MAX_SOLVER_PEOPLE}"):
+        solve([("telling-truth", i) for i in range(MAX_SOLVER_PEOPLE + 1)], MAX_SOLVER_PEOPLE + 1)

@@ -238,3 +238,19 @@ def test_theory_figures_and_token_colours():
     rendered(kk_dataset(dataset_stats(load_split("test", [2, 5], limit=5))))
     html = token_html(["<think>", " a\nb"], [0.05, 0.95])
     assert html.count("<span title=") == 2 and "&lt;think&gt;" in html and "p = 0.050" in html
+
+
+def test_mechanism_over_steps_draws_the_seed_mean_per_bin_and_method():
+    from lopti_lab.plots import mechanism_over_steps
+
+    fig = mechanism_over_steps(_long_table())
+    rendered(fig)
+    assert len(fig.axes) == 3 * 4  # token share, gradient share, correct ratio x 4 bins
+    grad_bin0 = fig.axes[4]
+    grpo = next(line for line in grad_bin0.lines if line.get_label() == "GRPO")
+    np.testing.assert_allclose(grpo.get_xdata(), [2, 3])
+    np.testing.assert_allclose(grpo.get_ydata(), [0.7 * 1.5] * 2)  # seeds x1 and x2: mean 1.05
+    ar = next(line for line in fig.axes[8].lines if line.get_label() == "GRPO+AR")
+    np.testing.assert_allclose(ar.get_ydata(), [0.6, 0.6])
+    with pytest.raises(ValueError, match="probe_every"):
+        mechanism_over_steps(_long_table().query("metric in ('reward/mean', 'acc/all')"))

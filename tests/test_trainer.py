@@ -271,6 +271,32 @@ def test_evaluate_reports_accuracy_by_people(config, monkeypatch):
     assert torch.equal(rng, torch.get_rng_state())  # evaluation does not consume the training RNG
 
 
+def test_accuracy_standard_errors(config, monkeypatch):
+    """accuracy_se: the docstring's case (per-puzzle means 0.5, 1, 0, 0.5: sd 0.408 / sqrt 4 = 0.204), the binomial
+    sqrt(p (1 - p) / (n - 1)) for one completion per puzzle; evaluate's _se keys, acc_all's from its strata."""
+    import numpy as np
+
+    correct = np.array([[1, 0], [1, 1], [0, 0], [1, 0]], dtype=float)
+    assert trainer.accuracy_se(correct) == pytest.approx(0.2041241452)
+    assert trainer.accuracy_se(np.array([[1.0], [0.0], [0.0], [1.0], [1.0]])) == pytest.approx(math.sqrt(0.6 * 0.4 / 4))
+    assert math.isnan(trainer.accuracy_se(np.array([[1.0, 0.0]])))
+    seen = []
+
+    def alternating(text, puzzle):  # completions alternate right / wrong in the order they are scored
+        seen.append(puzzle)
+        return Reward(3.0 if len(seen) % 2 else -3.0, 1, 2)
+
+    monkeypatch.setattr(trainer, "score_response", alternating)
+    model, tokenizer = load_policy(config.model, None, device="cpu")
+    puzzles = load_split("test", [3, 4], limit=3)
+    out = evaluate(model, tokenizer, puzzles, prompt_style="base", max_new_tokens=2, modes=("sample",), samples=2)
+    # every puzzle has one right and one wrong completion: accuracy 0.5 with zero spread between puzzles
+    assert out["eval/sample/acc_3ppl"] == 0.5 and out["eval/sample/acc_3ppl_se"] == 0.0
+    out = evaluate(model, tokenizer, puzzles, prompt_style="base", max_new_tokens=2, modes=("greedy",))
+    se3, se4 = out["eval/greedy/acc_3ppl_se"], out["eval/greedy/acc_4ppl_se"]
+    assert se3 > 0 and out["eval/greedy/acc_all_se"] == pytest.approx(math.sqrt(se3**2 + se4**2) / 2)
+
+
 def test_cli_train_and_eval(config, capsys):
     from lopti_lab.cli import main
 
@@ -323,22 +349,34 @@ def test_micro_batches_and_checkpointing_give_the_same_update(config, tmp_path, 
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_single_step_grpo_reuses_its_update_forward_as_pi_old(config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fast_path", ["hf", "lean"])
+def test_single_step_grpo_reuses_its_update_forward_as_pi_old(config, tmp_path, monkeypatch, fast_path):
     """One optimizer step per rollout (GRPO, minibatch = B): the update's own forward gives pi_old exactly, so the
-    rollout's log-prob forward is skipped. AR with alpha = 0 is the same algorithm but must compute pi_old first:
-    both runs must agree to rounding."""
-    cfg = replace(config, steps=2, minibatch_size=8, eval_people=(), kl_coef=0.0)
-    calls = []
-    real = trainer.add_logprobs
-    monkeypatch.setattr(trainer, "add_logprobs", lambda *a, **k: calls.append(k["policy"]) or real(*a, **k))
+    rollout's log-prob forward is skipped. AR with alpha = 0 is the same algorithm but must take pi_old before the
+    update: from a log-prob forward on HF's path, from the decoder's sampling logits on the lean path (no forward at
+    all). The runs must agree, and the first update's ratio must be 1: exactly on HF's path (the same forward
+    arithmetic twice), to float32 rounding of the logits on the lean path (|log ratio| < 1e-5)."""
+    cfg = replace(config, steps=2, minibatch_size=8, eval_people=(), kl_coef=0.0, fast_path=fast_path)
+    calls, log_ratios = [], []
+    real, real_loss = trainer.add_logprobs, trainer.policy_loss
+
+    def spy_loss(logp, old_logp, *args, **kwargs):
+        log_ratios.append((logp.detach() - old_logp).abs().max().item())
+        return real_loss(logp, old_logp, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "add_logprobs", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
     fast = train(replace(cfg, run_dir=str(tmp_path / "fast")))
+    monkeypatch.setattr(trainer, "policy_loss", spy_loss)
     slow = train(replace(cfg, run_dir=str(tmp_path / "slow"), ar_alpha=0.0))
-    assert calls == [False, False, True, True]
+    assert calls == ([False, False, True, True] if fast_path == "hf" else [False] * 4)
+    assert len(log_ratios) == 2 and max(log_ratios) <= (0.0 if fast_path == "hf" else 1e-5)
     for a, b in zip(fast.history, slow.history, strict=True):
         for key in ("loss/policy", "grad/norm", "policy/entropy", "reward/mean", "policy/clip_frac_high"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    # AdamW's first step is sign-like, so a weight whose gradient is near 0 amplifies a 1e-6 difference in pi_old
+    atol, rtol = (1e-6, 1e-5) if fast_path == "hf" else (1e-5, 1e-4)
     for a, b in zip(trainable_state_dict(fast.model).values(), trainable_state_dict(slow.model).values()):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
 
 
 def test_shift_metrics_match_a_per_token_count(config):
@@ -390,9 +428,11 @@ def test_shift_metrics_match_a_per_token_count(config):
         assert metrics[f"shift/unmoved_{sign}_bin{k}"] == 0.0  # an update this size moves every token
 
 
-def test_logprob_forwards_never_hold_more_rows_than_a_micro_batch(config, monkeypatch):
+@pytest.mark.parametrize("fast_path", ["hf", "lean"])
+def test_logprob_forwards_never_hold_more_rows_than_a_micro_batch(config, monkeypatch, fast_path):
     """The no-grad pi_old / reference forwards keep rows x T x V logits: they must run micro_batch_size rows at a
-    time (found on the GPU, where a whole 64-row batch of 512 tokens put 9.3 GiB of logits in one forward)."""
+    time (found on the GPU, where a whole 64-row batch of 512 tokens put 9.3 GiB of logits in one forward). On the
+    lean path pi_old comes from the decoder, so only the reference forwards remain."""
     import lopti_lab.rollout as rollout
 
     rows = []
@@ -403,10 +443,11 @@ def test_logprob_forwards_never_hold_more_rows_than_a_micro_batch(config, monkey
         return real(model, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(rollout, "response_logprobs", spy)  # add_logprobs' forwards (the update's are trainer's)
-    cfg = replace(config, steps=1, lopti_eta=0.5, kl_coef=0.01, micro_batch_size=2, eval_people=())
+    cfg = replace(config, steps=1, lopti_eta=0.5, kl_coef=0.01, micro_batch_size=2, eval_people=(), fast_path=fast_path)
     train(cfg)
     no_grad = [n for grad, n in rows if not grad]
-    assert len(no_grad) == 2 * cfg.batch_size // 2  # pi_old and the reference, 2 rows at a time
+    forwards = 2 if fast_path == "hf" else 1  # pi_old and the reference, or the reference alone
+    assert len(no_grad) == forwards * cfg.batch_size // 2  # 2 rows at a time
     assert max(no_grad) == 2
     assert replace(cfg, micro_batch_size=None, generate_batch_size=4).logprob_batch_size == 4
 

@@ -66,11 +66,8 @@ def tiny_qwen2(vocab_size: int, hidden: int = 32, layers: int = 2, seed: int = 0
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
-        **overrides,
+        **{"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True, **overrides},
     )
     model = Qwen2ForCausalLM(config)
     model.eval()

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from lopti_lab.kk.generate import Puzzle, generate_puzzle
+from lopti_lab.kk.logic import MAX_SOLVER_PEOPLE, contradiction, evaluate, solve
 from lopti_lab.kk.reward import instruct_prompt
 
 SPLITS = ("train", "test")
@@ -110,22 +111,99 @@ def save_jsonl(puzzles: Iterable[Puzzle], path: str | Path) -> Path:
 
 
 def load_jsonl(path: str | Path, limit: int | None = None, check: bool = True) -> list[Puzzle]:
-    """Read K&K records; a bad line raises ValueError naming the file and line."""
+    """Read K&K records; a bad line raises ValueError naming the file and line, and what is wrong with it: not
+    UTF-8, not JSON, not a record (a missing field, a field of the wrong type), statements that do not parse, or, with
+    ``check``, a solution that contradicts the statements or is not their only one (``check_record``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"K&K file not found: {path}")
     puzzles = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(puzzles) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                puzzles.append(Puzzle.from_record(json.loads(line), check=check))
-            except (ValueError, TypeError) as err:
-                raise ValueError(f"{path} line {lineno}: {err}") from err
+    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if limit is not None and len(puzzles) >= limit:
+            break
+        if not raw.strip():
+            continue
+        try:
+            puzzles.append(_puzzle(_json_line(raw), check))
+        except ValueError as err:
+            raise ValueError(f"{path} line {lineno}: {err}") from None
     return puzzles
+
+
+def _json_line(raw: bytes):
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"invalid JSON at column {err.colno}: {err.msg}") from None
+    except RecursionError:
+        raise ValueError("invalid JSON: nested too deeply") from None
+
+
+# field -> (test, what it must be); from_record reads these (the others are derived and rewritten by to_record)
+_RECORD_FIELDS = {
+    "quiz": (lambda v: isinstance(v, str), "a string"),
+    "names": (lambda v: isinstance(v, list) and all(isinstance(n, str) and n for n in v), "a list of names"),
+    "solution": (lambda v: isinstance(v, list) and all(isinstance(k, bool) for k in v), "a list of true/false"),
+    "statements": (lambda v: isinstance(v, str | list), "a Python literal string (or a list)"),
+    "cot_head": (lambda v: isinstance(v, str), "a string"),
+    "cot_foot": (lambda v: isinstance(v, str), "a string"),
+    "cot_repeat_steps": (lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v), "a list of strings"),
+    "index": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+}
+_REQUIRED = ("quiz", "names", "solution", "statements")
+
+
+def check_record(record) -> None:
+    """ValueError naming the field if ``record`` is not a K&K record that ``Puzzle.from_record`` can read.
+
+    >>> check_record({"quiz": "...", "names": ["Zoey"], "solution": "knight", "statements": "(('telling-truth', 0),)"})
+    Traceback (most recent call last):
+    ValueError: field 'solution' must be a list of true/false, got 'knight'
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"a JSON {type(record).__name__}, not a record (an object with {list(_REQUIRED)})")
+    missing = [k for k in _REQUIRED if k not in record]
+    if missing:
+        raise ValueError(f"record missing fields: {missing} (has {sorted(record)})")
+    for name, (test, what) in _RECORD_FIELDS.items():
+        if name in record and not test(record[name]):
+            raise ValueError(f"field {name!r} must be {what}, got {_short(record[name])}")
+    if not 1 <= len(record["names"]) <= MAX_SOLVER_PEOPLE:
+        raise ValueError(f"field 'names' holds {len(record['names'])} people; the solver takes 1..{MAX_SOLVER_PEOPLE}")
+
+
+def check_solution(puzzle: Puzzle) -> None:
+    """ValueError unless the puzzle's solution is consistent with its statements and is their only solution."""
+    speaker = contradiction(puzzle.statements, puzzle.solution)
+    if speaker is not None:
+        name, role = puzzle.names[speaker], "knight" if puzzle.solution[speaker] else "knave"
+        truth = evaluate(puzzle.statements[speaker], puzzle.solution)
+        raise ValueError(
+            f"the solution contradicts the statements: it makes {name} a {role}, but {name}'s statement "
+            f"{puzzle.statements[speaker]!r} is then {'true' if truth else 'false'}"
+        )
+    solutions = solve(puzzle.statements, puzzle.n_people)
+    if len(solutions) != 1:
+        shown = [[bool(k) for k in s] for s in solutions[:3]]
+        raise ValueError(f"the statements have {len(solutions)} solutions ({shown} ...), not exactly one")
+
+
+def _puzzle(record, check: bool) -> Puzzle:
+    check_record(record)
+    try:
+        puzzle = Puzzle.from_record(record, check=False)
+    except TypeError as err:  # a field of the right JSON type but unusable, e.g. names that repeat
+        raise ValueError(str(err)) from None
+    if check:
+        check_solution(puzzle)
+    return puzzle
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def split_files(split: str, people: int | Iterable[int], root: str | Path | None = None) -> list[Path]:
@@ -172,7 +250,10 @@ def load_hf(
         for i, row in enumerate(rows):
             if limit is not None and i >= limit:
                 break
-            puzzles.append(Puzzle.from_record(dict(row)))
+            try:
+                puzzles.append(_puzzle(dict(row), check=True))
+            except ValueError as err:
+                raise ValueError(f"{repo} {split}/people{n} row {i}: {err}") from None
     return puzzles
 
 
@@ -212,7 +293,13 @@ def read_parquet(path: str | Path) -> list[Puzzle]:
     import pandas as pd
 
     frame = pd.read_parquet(path)
-    return [Puzzle.from_record({k: _plain(v) for k, v in row.items()}) for row in frame.to_dict("records")]
+    puzzles = []
+    for i, row in enumerate(frame.to_dict("records")):
+        try:
+            puzzles.append(_puzzle({k: _plain(v) for k, v in row.items()}, check=True))
+        except ValueError as err:
+            raise ValueError(f"{path} row {i}: {err}") from None
+    return puzzles
 
 
 def _plain(value):

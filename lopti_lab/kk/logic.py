@@ -21,6 +21,7 @@ be true: contradiction. So ``solve(statements, 2) == []``.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -70,7 +71,7 @@ def parse_statements(text: str | Sequence, n_people: int | None = None) -> tuple
         try:
             value = ast.literal_eval(text.strip())
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as err:
-            problem = f"{type(err).__name__}: {err}"
+            problem = f"{type(err).__name__}: " + re.sub(r" object at 0x[0-9a-f]+", "", str(err))  # no addresses
             raise ValueError(f"statements: not a Python literal ({problem}): {text[:120]!r}") from None
     else:
         value = text
@@ -127,6 +128,28 @@ def mentioned(statement: Statement) -> list[int]:
     return out
 
 
+MAX_SOLVER_PEOPLE = 20
+"""The brute-force solver holds 2^n assignments as the bits of one integer: 20 people are 128 KiB, 40 would be
+128 GiB. The K&K dataset has 2-8 people."""
+
+
+def _check_solvable(statements: Sequence[Statement], n_people: int) -> None:
+    if not 1 <= n_people <= MAX_SOLVER_PEOPLE or len(statements) != n_people:
+        raise ValueError(
+            f"solve: {len(statements)} statements for n_people={n_people} (the solver takes 1..{MAX_SOLVER_PEOPLE})"
+        )
+
+
+def contradiction(statements: Sequence[Statement], solution: Sequence[bool]) -> int | None:
+    """The first person whose role the assignment ``solution`` contradicts (a knight whose statement is false, or a
+    knave whose statement is true), or None when ``solution`` is consistent with every statement.
+
+    >>> contradiction((('lying', 1), ('telling-truth', 0)), (True, True))   # A says B is a knave, but B is a knight
+    0
+    """
+    return next((i for i, s in enumerate(statements) if evaluate(s, solution) != bool(solution[i])), None)
+
+
 @lru_cache(maxsize=16)
 def _knight_masks(n_people: int) -> tuple[int, ...]:
     # Bit a of mask i is set when person i is a knight in assignment a (bit i of the integer a).
@@ -169,8 +192,7 @@ def solve(statements: Sequence[Statement], n_people: int) -> list[tuple[bool, ..
     >>> solve((('lying', 1), ('telling-truth', 1)), 2)   # A: "B is a knave"; B: "B is a knight"
     [(True, False), (False, True)]
     """
-    if n_people < 1 or len(statements) != n_people:
-        raise ValueError(f"solve: {len(statements)} statements for n_people={n_people}")
+    _check_solvable(statements, n_people)
     knight = _knight_masks(n_people)
     full = (1 << (1 << n_people)) - 1
     consistent = full
@@ -183,6 +205,7 @@ def solve(statements: Sequence[Statement], n_people: int) -> list[tuple[bool, ..
 
 
 def count_solutions(statements: Sequence[Statement], n_people: int) -> int:
+    _check_solvable(statements, n_people)
     knight = _knight_masks(n_people)
     full = (1 << (1 << n_people)) - 1
     consistent = full

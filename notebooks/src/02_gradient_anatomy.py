@@ -5,6 +5,11 @@
 # puzzles: sample responses, look at every response token's probability, split the policy gradient by probability
 # bin, and reproduce the paper's Fig. 1 and Fig. 2 with our probes. At the end, one frozen batch is updated four
 # ways (GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti) from the same weights to see what each fix changes.
+#
+# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 10.4 min of one core on this project's
+# 2-core machine while other jobs shared it (31.7 min wall at load average 7.5; an earlier run with less load took 5.6
+# min wall), most of it in the selective sweep, the attribution tables and the four-way counterfactual; on one GPU
+# with Qwen2.5-1.5B-Instruct: not measured.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -12,9 +17,18 @@ QUICK = False
 
 import sys
 
-if "google.colab" in sys.modules:  # on Colab: install lopti_lab (one line) and turn on the widget manager
-    %pip install -q "lopti-lab @ git+https://github.com/lopti-lab/lopti_lab.git"
+if "google.colab" in sys.modules:  # on Colab: install lopti_lab's wheel and turn on the widget manager
+    from pathlib import Path
+
     from google.colab import output
+
+    # lopti_lab is not on PyPI: upload the wheel that `pip wheel --no-deps -w dist .` builds in a checkout to Colab's
+    # Files panel (README, "Colab"), or, where you host a copy of the repository, %pip install "lopti-lab @ git+<URL>"
+    wheels = sorted(Path.cwd().glob("lopti_lab-*.whl"))
+    if not wheels:
+        raise FileNotFoundError(f"no lopti_lab-*.whl in {Path.cwd()}: upload it first (see the comment above)")
+    wheel = wheels[-1]
+    %pip install -q {wheel}
 
     output.enable_custom_widget_manager()
 

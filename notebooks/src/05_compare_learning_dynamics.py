@@ -4,6 +4,10 @@
 # Pick runs (from notebook 04, `lopti-lab train` or `lopti-lab demo`) and compare how they learned: reward and
 # accuracy over steps, final test accuracy by people count in the paper's layout, how much of the gradient each
 # probability bin carried, and whether the high-probability tokens moved the way their advantage asked.
+#
+# **Run time** of a full run (QUICK = False): with runs already there (from notebook 04 or `lopti-lab demo`), about 5
+# s on a laptop CPU (measured: 4.8 s of one core, one run); with none, a cell first runs the demo, which took
+# 14 min on this project's 2-core machine (README, "The demo"); on one GPU: not measured.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -11,9 +15,18 @@ QUICK = False
 
 import sys
 
-if "google.colab" in sys.modules:  # on Colab: install lopti_lab (one line) and turn on the widget manager
-    %pip install -q "lopti-lab @ git+https://github.com/lopti-lab/lopti_lab.git"
+if "google.colab" in sys.modules:  # on Colab: install lopti_lab's wheel and turn on the widget manager
+    from pathlib import Path
+
     from google.colab import output
+
+    # lopti_lab is not on PyPI: upload the wheel that `pip wheel --no-deps -w dist .` builds in a checkout to Colab's
+    # Files panel (README, "Colab"), or, where you host a copy of the repository, %pip install "lopti-lab @ git+<URL>"
+    wheels = sorted(Path.cwd().glob("lopti_lab-*.whl"))
+    if not wheels:
+        raise FileNotFoundError(f"no lopti_lab-*.whl in {Path.cwd()}: upload it first (see the comment above)")
+    wheel = wheels[-1]
+    %pip install -q {wheel}
 
     output.enable_custom_widget_manager()
 

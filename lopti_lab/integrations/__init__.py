@@ -1,0 +1,10 @@
+"""Adapters to engines that scale past one GPU. They import ``objective`` and ``kk``, never the other way round.
+
+trl    ``LoptiGRPOTrainer``: TRL's GRPOTrainer with Advantage Reweighting and Lopti (accelerate, DeepSpeed, vLLM),
+       its config, the K&K reward as a TRL reward function and a K&K ``datasets.Dataset`` builder
+       (needs the optional extra: ``pip install "lopti-lab[trl]"``)
+verl   ``compute_score``: the K&K reward with verl's custom reward signature, for our parquet export; the module
+       docstring says where AR and Lopti go in verl's GRPO
+
+Nothing is imported here, so ``import lopti_lab.integrations`` works without TRL installed.
+"""

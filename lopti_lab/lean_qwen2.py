@@ -1,0 +1,225 @@
+"""Qwen2-architecture forwards built from a model's own modules, for the two places where HF's generic forward
+wastes a CPU's time in GRPO: the G completions of one prompt recompute that prompt G times, and every decoded
+token pays for a growing, re-concatenated KV cache.
+
+    reason = lean_unsupported(model)           # None, or why the HF path must be used
+    logits = shared_prompt_logits(model, prompt_ids, prompt_mask, row_prompt, response_ids)  # (B, T, V)
+
+Only the attention is written here. Embeddings, RMSNorms, the q/k/v/o projections (LoRA layers included), the rotary
+embedding and the MLP are the model's own modules, called as its forward calls them, so the arithmetic is HF's up to
+the attention kernel's rounding (tests/test_decode.py compares tokens, log-probs and gradients with HF).
+
+Shape legend: n prompts, B rows (each row answers one prompt; a prompt's rows are any subset), P prompt tokens
+(left-padded), T response tokens, H query heads, K key/value heads, D head dim, E hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, apply_rotary_pos_emb, repeat_kv
+
+__all__ = [
+    "attend_one",
+    "causal_lm",
+    "layer_input",
+    "layer_output",
+    "lean_unsupported",
+    "prefill",
+    "shared_prompt_logits",
+]
+
+
+def causal_lm(model: torch.nn.Module) -> Qwen2ForCausalLM:
+    """The Qwen2ForCausalLM inside ``model`` (itself, or the base model of a peft wrapper)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base
+
+
+def lean_unsupported(model: torch.nn.Module) -> str | None:
+    """None when the lean forwards compute exactly what ``model``'s own forward does, else the reason they don't.
+
+    They need a Qwen2ForCausalLM on a CPU (a peft wrapper around one is fine: its LoRA layers are called as modules)
+    whose forward nobody replaced, with full attention in every layer (no sliding window) and no attention dropout
+    while training. Anything else takes HF's path."""
+    base = causal_lm(model)
+    if not isinstance(base, Qwen2ForCausalLM):
+        return f"{type(base).__name__} is not a Qwen2ForCausalLM"
+    if "forward" in vars(model) or "forward" in vars(base):
+        return "the model's forward was replaced on the instance"
+    device = next(base.parameters()).device
+    if device.type != "cpu":
+        return f"the model is on {device.type}, and the lean path is for CPUs (HF generate suits GPUs)"
+    config = base.config
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []) or getattr(
+        config, "use_sliding_window", False
+    ):
+        return "the model uses sliding-window attention"
+    if base.training and config.attention_dropout > 0:
+        return "attention dropout is active (training mode)"
+    return None
+
+
+def layer_input(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q (b, H, s, D) and k, v (b, K, s, D) of a decoder layer for hidden states x (b, s, E), rotary applied."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    q = attn.q_proj(h).view(shape).transpose(1, 2)  # (b, H, s, D)
+    k = attn.k_proj(h).view(shape).transpose(1, 2)  # (b, K, s, D)
+    v = attn.v_proj(h).view(shape).transpose(1, 2)  # (b, K, s, D)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+def layer_output(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer: o_proj of the attention output (b, H, s, D), residual, MLP, residual."""
+    x = x + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(*x.shape[:-1], -1))  # (b, s, E)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Masked attention of queries (b, H, s, D) over keys (b, K, L, D); allowed: bool, broadcast to (b, 1, s, L)."""
+    groups = layer.self_attn.num_key_value_groups
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (b, H, L, D), as HF's SDPA path does with a mask
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=layer.self_attn.scaling)
+
+
+def attend_one(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """One query token per row, q (b, H, 1, D) over keys (b, K, L, D), allowed (b, 1, 1, L): the query heads of a
+    key/value head are stacked as rows of one matrix, so each key is read once per key/value head (HF decodes so)."""
+    b, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(b, kv_heads, heads // kv_heads, dim)  # (b, K, H/K, D)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=allowed, scale=layer.self_attn.scaling)
+    return out.reshape(b, heads, 1, dim)  # (b, H, 1, D)
+
+
+def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows, as generate numbers them: 0 at the first real token. mask: (b, P)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, P)
+
+
+def prompt_allowed(mask: torch.Tensor) -> torch.Tensor:
+    """(b, 1, P, P) bool: causal, real keys only; a padding query sees itself, so no row of the softmax is empty."""
+    P = mask.shape[1]
+    causal = torch.ones(P, P, dtype=torch.bool, device=mask.device).tril()  # (P, P)
+    allowed = causal[None] & mask.bool()[:, None, :]  # (b, P, P)
+    return (allowed | torch.eye(P, dtype=torch.bool, device=mask.device)[None])[:, None]  # (b, 1, P, P)
+
+
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """The prompts' forward: the last position's hidden state (n, E) after the final norm, and each layer's (k, v)
+    (n, K, P, D). Prompts are left-padded, so the last position is every prompt's last real token."""
+    lm = causal_lm(model).model
+    x = lm.embed_tokens(prompt_ids)  # (n, P, E)
+    cos, sin = lm.rotary_emb(x, prompt_positions(prompt_mask))
+    allowed = prompt_allowed(prompt_mask)
+    cache = []
+    for layer in lm.layers:
+        q, k, v = layer_input(layer, x, cos, sin)
+        cache.append((k, v))
+        x = layer_output(layer, x, attend(layer, q, k, v, allowed))
+    return lm.norm(x[:, -1]), cache  # (n, E), [(n, K, P, D) x 2] per layer
+
+
+def shared_prompt_logits(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    row_prompt: torch.Tensor,
+    response_ids: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits predicting each response token, with every prompt's forward computed once for all its rows.
+
+    prompt_ids, prompt_mask: (n, P) left-padded; row_prompt: (B,) the prompt of each row; response_ids: (B, T);
+    lengths: (B,) real response tokens per row (None: all T). Returns (B, T, V): row b's logits at the position before
+    response token t (the prompt's last position for t = 0); positions past a row's length hold no information.
+
+    A prompt's hidden states do not depend on the responses (causal attention), so computing them once and letting
+    each response attend to them is the same function of the weights as B full forwards; autograd sums the G rows'
+    gradients through the shared prompt, as the B forwards would. Saves (G - 1) / G of the prompt's work. The
+    responses run in up to MAX_BUCKETS groups of similar length (``length_buckets``), each only as long as its
+    longest row, so short responses do not pay for the longest one's padding.
+    """
+    lm = causal_lm(model).model
+    n_resp = response_ids.shape[1]
+    if lengths is None:
+        lengths = torch.full((len(row_prompt),), n_resp, device=response_ids.device)
+    x_prompt = lm.embed_tokens(prompt_ids)  # (n, P, E)
+    prompt_geometry = (*lm.rotary_emb(x_prompt, prompt_positions(prompt_mask)), prompt_allowed(prompt_mask))
+    buckets = length_buckets(lengths.clamp(min=1))
+    xs, geometries = [], []
+    for rows in buckets:
+        t = int(lengths[rows].max().clamp(min=1))  # response tokens this bucket scores
+        x = lm.embed_tokens(response_ids[rows, : t - 1])  # (b, t - 1, E): the last token predicts nothing
+        xs.append(x)
+        geometries.append(_response_geometry(lm, x, prompt_mask, row_prompt[rows]))
+    checkpointed = lm.training and any(getattr(layer, "gradient_checkpointing", False) for layer in lm.layers)
+    for layer in lm.layers:
+        args = (layer, x_prompt, prompt_geometry, geometries, *xs)
+        if checkpointed:  # recompute the layer in backward, as HF's checkpointed layers do
+            x_prompt, *xs = checkpoint(_shared_prompt_layer, *args, use_reentrant=False)
+        else:
+            x_prompt, *xs = _shared_prompt_layer(*args)
+    last = x_prompt[:, -1]  # (n, E): predicts response token 0
+    hidden = torch.cat(
+        [
+            F.pad(torch.cat([last[row_prompt[rows]][:, None], x], 1), (0, 0, 0, n_resp - 1 - x.shape[1]))
+            for rows, x in zip(buckets, xs, strict=True)
+        ]
+    )  # fmt: skip  (B, T, E) in bucket order
+    order = torch.cat(buckets)
+    hidden = hidden[torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))]
+    return causal_lm(model).lm_head(lm.norm(hidden))  # (B, T, V) in row order
+
+
+MAX_BUCKETS = 4
+"""At most this many response-length groups per shared-prompt forward (each costs a few more small ops per layer)."""
+
+
+def length_buckets(lengths: torch.Tensor, max_buckets: int = MAX_BUCKETS) -> list[torch.Tensor]:
+    """Row indices split into groups of similar length: the rows sorted by length, cut into k equal-count groups,
+    k the largest (up to max_buckets) that still cuts the padded tokens sum(rows x longest) by 10% over k - 1.
+
+    Example: lengths (10, 90, 12, 88) -> [rows 0, 2], [rows 3, 1]: 2 x 12 + 2 x 90 = 204 padded tokens, not 360."""
+    order = lengths.argsort(stable=True)
+    best, best_cost = [order], len(order) * int(lengths.max())
+    for k in range(2, min(max_buckets, len(order)) + 1):
+        parts = list(order.tensor_split(k))
+        cost = sum(len(part) * int(lengths[part].max()) for part in parts)
+        if cost > 0.9 * best_cost:
+            break
+        best, best_cost = parts, cost
+    return best
+
+
+def _response_geometry(lm, x: torch.Tensor, prompt_mask: torch.Tensor, row_prompt: torch.Tensor):
+    """Rotary cos, sin and the attention mask of responses x (b, t', E) over [their prompt (P) | themselves (t')]:
+    response token j sits at position (real prompt length) + j and sees its prompt's real tokens and tokens 0..j."""
+    n_fed = x.shape[1]
+    start = prompt_mask.long().sum(1)[row_prompt]  # (b,)
+    positions = start[:, None] + torch.arange(n_fed, device=x.device)[None]  # (b, t')
+    cos, sin = lm.rotary_emb(x, positions)
+    causal = torch.ones(n_fed, n_fed, dtype=torch.bool, device=x.device).tril()  # (t', t')
+    see_prompt = prompt_mask.bool()[row_prompt][:, None, :].expand(-1, n_fed, -1)  # (b, t', P)
+    allowed = torch.cat([see_prompt, causal[None].expand(len(row_prompt), -1, -1)], dim=2)[:, None]  # (b, 1, t', L)
+    return cos, sin, allowed, row_prompt
+
+
+def _shared_prompt_layer(layer, x_prompt, prompt_geometry, response_geometries, *xs):
+    """One decoder layer over the prompts (n, P, E) and each bucket's responses (b, t', E) that attend to them."""
+    cos_p, sin_p, allowed_p = prompt_geometry
+    q_p, k_p, v_p = layer_input(layer, x_prompt, cos_p, sin_p)
+    out = [layer_output(layer, x_prompt, attend(layer, q_p, k_p, v_p, allowed_p))]
+    for x, (cos, sin, allowed, row_prompt) in zip(xs, response_geometries, strict=True):
+        if x.shape[1] == 0:  # one response token: only the prompt's last position predicts
+            out.append(x)
+            continue
+        q, k, v = layer_input(layer, x, cos, sin)
+        k = torch.cat([k_p[row_prompt], k], dim=2)  # (b, K, P + t', D)
+        v = torch.cat([v_p[row_prompt], v], dim=2)
+        out.append(layer_output(layer, x, attend(layer, q, k, v, allowed)))
+    return tuple(out)
