@@ -2,11 +2,18 @@
 
     .venv/bin/python benchmarks/lab_model_probe.py --name base --minutes 20 --set steps=3000
     .venv/bin/python benchmarks/lab_model_probe.py --name wide --minutes 20 --set spec.hidden_size=320 trace.slip=0.02
+    .venv/bin/python benchmarks/lab_model_probe.py --ideal      # no training: what a perfect learner would show
 
-Each probe runs `labmodel.pretrain` with the overrides given (``field=value``, nested fields with a dot; values are
+Each probe runs `labmodel.pretrain` on labtrace's traces (`labmodel.RL_TRACE`, 4 length buckets, evaluations up to
+896 new tokens) with the overrides given (``field=value``, nested fields with a dot; values are
 Python literals), then reports the targets of the RL-ready lab model (issue 11) on the bundled test split: greedy and
 sampled accuracy at 2 and 3 people, format errors, and the token-probability profile of its own rollouts (3-person
 training puzzles, 8 samples each at the rollout temperature). Results go to reports/lab_probes/<name>/probe.json.
+
+``--ideal`` trains nothing: for the trace style (with the --set trace overrides) it prints what a model that samples
+exactly the traces' distribution would show at T = 1.0, the ceiling of a warm start: the token profile
+(`labtrace.ideal_profile`, with the tokenizer the pretrain would build), the share of sampled traces whose answer is
+right (slips included) at slip rates around the style's, and the mean trace length in tokens, per people count.
 """
 
 from __future__ import annotations
@@ -14,11 +21,12 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from lopti_lab import labmodel
+from lopti_lab import labmodel, labtrace
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -37,20 +45,53 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def ideal(style: labtrace.TraceStyle, people: list[int], size: int) -> dict:
+    from lopti_lab.kk import generate_puzzle
+
+    tokenizer = labmodel.build_tokenizer(style=style)
+    out = {}
+    for n in people:
+        puzzles = [generate_puzzle(n, 90_000 + i) for i in range(size)]
+        shares = labtrace.ideal_profile(puzzles, style, tokenizer)
+        lengths = [len(tokenizer(labmodel.lab_response(p, random.Random(i), style))["input_ids"])
+                   for i, p in enumerate(puzzles)]  # fmt: skip
+        correct = {}
+        for slip in sorted({0.01, 0.02, 0.03, 0.04, 0.05, style.slip}):
+            varied = replace(style, slip=slip)
+            right = [
+                labtrace.lab_trace_with_stats(p, random.Random(i), varied)[1].correct for i, p in enumerate(puzzles)
+            ]
+            correct[f"slip {slip:g}"] = sum(right) / len(right)
+        out[f"{n} people"] = {
+            "profile [0,.25) [.25,.5) [.5,.75) [.75,1]": [round(x, 3) for x in shares],
+            "below 0.75": round(sum(shares[:3]), 3),
+            "below 0.25": round(shares[0], 3),
+            "answer right when sampled": correct,
+            "mean response tokens": sum(lengths) / len(lengths),
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--name", required=True)
+    parser.add_argument("--name", default="probe")
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--set", nargs="*", default=[], help="PretrainConfig overrides field=value")
     parser.add_argument("--people", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--size", type=int, default=100, help="test puzzles per people count")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--ideal", action="store_true", help="no training: the traces' own profile and accuracy")
     args = parser.parse_args()
+    if args.ideal:
+        trace = {**asdict(labmodel.RL_TRACE), **parse_overrides(args.set).get("trace", {})}
+        print(json.dumps(ideal(labtrace.TraceStyle(**trace), args.people, args.size), indent=1))
+        return
 
     out = Path("reports/lab_probes") / args.name
     overrides = parse_overrides(args.set)
-    base = asdict(labmodel.PretrainConfig())
+    base = asdict(labmodel.PretrainConfig())  # the RL trace under study, cut by length, with room for its length:
+    base.update(trace=asdict(labmodel.RL_TRACE), length_buckets=4, max_new_tokens=896)
     for key, value in overrides.items():
         base[key] = {**base[key], **value} if isinstance(value, dict) else value
     base.update(max_minutes=args.minutes, threads=args.threads, final_people=tuple(args.people), final_size=args.size)

@@ -159,6 +159,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
             ("out of range: slip", {"slip": 0.7}),
             ("repeated words", {"passes": ("ok", "ok")}),
         ],
+        "length_buckets": [("out of range", 0)],
         "max_new_tokens": [("out of range", 0)],
         "threads": [("out of range", 0)],
     },

@@ -43,37 +43,44 @@ CHAT_TEMPLATE = (
 )
 LAB_PROMPT_STYLE = "chat_quiz"
 TOKENIZER_VOCAB = 1024
-DEFAULT_SLIP = 0.03
-"""Slip rate of the warm start's traces (``labtrace.TraceStyle.slip``)."""
+RL_TRACE = TraceStyle(slip=0.03)
+"""The trace style of the RL-ready lab model under study (issue 11; ``benchmarks/lab_model_probe.py``): labtrace's
+local-decision trace with 3% slips. The bundled model was trained on the compact solver trace (``trace=None``)."""
 
 
 def lab_response(puzzle: Puzzle, rng: random.Random | None = None, style: TraceStyle | None = None) -> str:
-    """The supervised target after the prompt's "<think>": the lab trace (``labtrace``), then the answer.
+    """The supervised target after the prompt's "<think>": a solver trace, then the answer.
 
-    Without ``rng`` the wording and check order are drawn from a generator seeded by the puzzle itself, so the same
-    puzzle always gives the same text; ``style`` defaults to a trace without slips.
+    ``style=None``: the compact solver trace the bundled lab model learned (``Puzzle.compact_trace``). A
+    ``labtrace.TraceStyle``: labtrace's trace in that style; without ``rng`` its wording and check order are drawn
+    from a generator seeded by the puzzle itself, so the same puzzle always gives the same text.
 
     >>> p = generate_puzzle(2, 0)
     >>> lab_response(p).endswith("</think><answer>" + p.solution_text_format + "</answer>")
     True
     """
+    if style is None:
+        return f" {puzzle.compact_trace()}</think><answer>{puzzle.solution_text_format}</answer>"
     rng = rng if rng is not None else random.Random(repr((puzzle.statements, puzzle.names)))
-    return lab_trace(puzzle, rng, style or TraceStyle())
+    return lab_trace(puzzle, rng, style)
 
 
 def tokenizer_corpus(n_puzzles: int = 3000, seed: int = 0, style: TraceStyle | None = None) -> list[str]:
     """Text the BPE merges are learned from: generated quizzes for 2-8 people in every prompt style, their chains of
-    thought, lab traces and answers, and every name in every position."""
+    thought, the traces of ``style`` (``lab_response``; labtrace's only up to 5 people, where they stay short) and
+    answers, and every name in every position."""
     texts = []
     for i in range(n_puzzles):
         p = generate_puzzle(2 + i % 7, puzzle_seed(seed, "tokenizer", 2 + i % 7, i))
-        trace = lab_response(p, random.Random(i), style) if p.n_people <= 5 else ""
+        trace = lab_response(p, random.Random(i), style) if style is None or p.n_people <= 5 else ""
         texts += [instruct_prompt(p), p.quiz, trace, " ".join(p.cot_repeat_steps), p.solution_text]
     texts += [f'"{n} is a knight," {n} said. {n}\'s {n}' for n in NAMES]
     return texts
 
 
-def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB, n_puzzles: int = 3000, seed: int = 0):
+def build_tokenizer(
+    vocab_size: int = TOKENIZER_VOCAB, n_puzzles: int = 3000, seed: int = 0, style: TraceStyle | None = None
+):
     """Train the lab tokenizer (a few seconds) and wrap it as a transformers PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -87,7 +94,7 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB, n_puzzles: int = 3000, se
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(tokenizer_corpus(n_puzzles, seed), trainer=trainer)
+    tok.train_from_iterator(tokenizer_corpus(n_puzzles, seed, style), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
@@ -117,7 +124,7 @@ class LabModelSpec:
     num_hidden_layers: int = 6
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 1024
 
     def qwen2_config(self, tokenizer):
         from transformers import Qwen2Config
@@ -186,10 +193,15 @@ class PretrainConfig:
     final_size: int | None = None
     """Test puzzles per people count in the final evaluation (None: all 100)."""
     spec: LabModelSpec = field(default_factory=LabModelSpec)
-    trace: TraceStyle = field(default_factory=lambda: TraceStyle(slip=DEFAULT_SLIP))
-    """Wording, check order and slip rate of the supervised traces (``labtrace.TraceStyle``)."""
-    max_new_tokens: int = 896
-    """Response cap of the evaluations (a 4-person trace runs to ~800 tokens; 2-3 people stay under 450)."""
+    trace: TraceStyle | None = None
+    """The supervised traces: None, the compact solver trace (the bundled model); a ``labtrace.TraceStyle`` (or a
+    dict of its fields), labtrace's local-decision trace with that wording, check order and slip rate (``RL_TRACE``)."""
+    length_buckets: int = 1
+    """Batches of one people count drawn at once and cut by length (labtrace's traces vary about twofold in length:
+    4 keeps padding small); 1 keeps each batch in the order drawn, as the bundled model was trained."""
+    max_new_tokens: int = 256
+    """Response cap of the evaluations (compact traces fit 256 up to 6 people; labtrace's run to ~450 tokens at 3
+    people and ~800 at 4: use 896)."""
     threads: int | None = None
     """torch threads (None: torch's default)."""
 
@@ -215,7 +227,7 @@ class PretrainConfig:
             len(self.people_weights) == len(self.people), "people_weights", "must give one weight per people count"
         )
         check.need(sum(self.people_weights) > 0, "people_weights", "must not all be 0")
-        for name in ("steps", "batch_size", "eval_every", "eval_size", "final_samples", "max_new_tokens"):
+        for name in ("steps", "batch_size", "eval_every", "eval_size", "final_samples", "max_new_tokens", "length_buckets"):
             check.integer(name, low=1)
         for name in ("curriculum_steps", "warmup_steps", "seed"):
             check.integer(name, low=0)
@@ -226,7 +238,9 @@ class PretrainConfig:
         check.real("min_lr_ratio", 0.0, 1.0)
         check.real("weight_decay", low=0)
         check.real("grad_clip", low=0, low_open=True)
-        check.need(isinstance(self.trace, TraceStyle), "trace", "must be a labtrace.TraceStyle or a dict of its fields")
+        check.need(
+            self.trace is None or isinstance(self.trace, TraceStyle), "trace", "must be None, a labtrace.TraceStyle or a dict"
+        )
         check.need(isinstance(self.spec, LabModelSpec), "spec", "must be a LabModelSpec or a dict of its fields")
         spec = FieldCheck(self.spec, "PretrainConfig.spec")
         for f in fields(self.spec):
@@ -280,11 +294,9 @@ def lr_at(step: int, config: PretrainConfig) -> float:
 
 
 class TraceStream:
-    """Warm-start examples: fresh generated puzzles (never a test-split statement set), one people count per batch
-    and ``BUCKETS`` batches of it drawn at once and cut by length, so padding stays small (lab traces vary about
-    twofold in length). Deterministic in the seed and the order of calls."""
-
-    BUCKETS = 4
+    """Warm-start examples: fresh generated puzzles (never a test-split statement set), one people count per batch,
+    ``config.length_buckets`` batches of it drawn at once and cut by length, so padding stays small. Deterministic in
+    the seed and the order of calls."""
 
     def __init__(self, tokenizer, config: PretrainConfig):
         self.tokenizer, self.config = tokenizer, config
@@ -299,7 +311,7 @@ class TraceStream:
             p = generate_puzzle(n, puzzle_seed(cfg.seed, "pretrain", n, self.counter))
             self.counter += 1
             if p.statements not in self.held_out:
-                rng = random.Random(puzzle_seed(cfg.seed, "trace", n, self.counter))
+                rng = None if cfg.trace is None else random.Random(puzzle_seed(cfg.seed, "trace", n, self.counter))
                 examples.append(encode_example(self.tokenizer, p, rng, cfg.trace))
         return examples
 
@@ -310,7 +322,9 @@ class TraceStream:
             people = sorted(cfg.people)[:2] if early else cfg.people
             weights = [cfg.people_weights[cfg.people.index(n)] for n in people]
             n = self.rng.choices(people, weights)[0]
-            pool = sorted(self._examples(n, cfg.batch_size * self.BUCKETS), key=lambda e: len(e[0]))
+            pool = self._examples(n, cfg.batch_size * cfg.length_buckets)
+            if cfg.length_buckets > 1:
+                pool.sort(key=lambda e: len(e[0]))
             batches = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
             self.rng.shuffle(batches)
             self.pending = [(n, b) for b in batches]
@@ -333,7 +347,7 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     start = time.perf_counter()
-    tokenizer = build_tokenizer(seed=config.seed)
+    tokenizer = build_tokenizer(seed=config.seed, style=config.trace)
     model = build_model(tokenizer, config.spec, seed=config.seed)
     model.train()
     stream = TraceStream(tokenizer, config)
@@ -407,7 +421,7 @@ def evaluate_warm_start(
     people: Sequence[int] = (2, 3, 4, 5, 6),
     samples: int = 4,
     size: int | None = None,
-    max_new_tokens: int = 896,
+    max_new_tokens: int = 256,
 ) -> dict:
     """Test accuracy of a lab model on the whole test split of each people count: greedy, and ``samples``
     completions per puzzle at temperature 1.0 (keys ``test/{greedy,sample}/acc_{n}ppl``, ``.../format_error_rate``)."""
