@@ -227,7 +227,8 @@ class PretrainConfig:
             len(self.people_weights) == len(self.people), "people_weights", "must give one weight per people count"
         )
         check.need(sum(self.people_weights) > 0, "people_weights", "must not all be 0")
-        for name in ("steps", "batch_size", "eval_every", "eval_size", "final_samples", "max_new_tokens", "length_buckets"):
+        for name in ("steps", "batch_size", "eval_every", "eval_size", "final_samples", "max_new_tokens",
+                     "length_buckets"):  # fmt: skip
             check.integer(name, low=1)
         for name in ("curriculum_steps", "warmup_steps", "seed"):
             check.integer(name, low=0)
@@ -238,9 +239,8 @@ class PretrainConfig:
         check.real("min_lr_ratio", 0.0, 1.0)
         check.real("weight_decay", low=0)
         check.real("grad_clip", low=0, low_open=True)
-        check.need(
-            self.trace is None or isinstance(self.trace, TraceStyle), "trace", "must be None, a labtrace.TraceStyle or a dict"
-        )
+        trace_ok = self.trace is None or isinstance(self.trace, TraceStyle)
+        check.need(trace_ok, "trace", "must be None, a labtrace.TraceStyle or a dict of its fields")
         check.need(isinstance(self.spec, LabModelSpec), "spec", "must be a LabModelSpec or a dict of its fields")
         spec = FieldCheck(self.spec, "PretrainConfig.spec")
         for f in fields(self.spec):

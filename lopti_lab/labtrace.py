@@ -378,7 +378,7 @@ def _audit_claim(words: list[str], statement: Statement, names, knights, audit: 
         leaves.reverse()
         expected_words = render_claim((op, *leaves), names).split()
     # the claim's words with each leaf's truth value removed must be the restated statement
-    values, plain, i = [], [], 0
+    values, plain = [], []
     leaf_ends = []  # positions in `plain` after which a value follows
     for w in words:
         if w in _VALUES and plain and plain[-1] in ("knight", "knave"):
@@ -386,7 +386,6 @@ def _audit_claim(words: list[str], statement: Statement, names, knights, audit: 
             leaf_ends.append(len(plain))
         else:
             plain.append(w)
-        i += 1
     if plain != expected_words or len(values) != len(leaves):
         audit.copy_errors += 1
         return None
