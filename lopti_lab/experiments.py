@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from lopti_lab.kk import Puzzle, build_prompt, load_split
 from lopti_lab.objective import group_advantages
 from lopti_lab.probes import probability_shift
 from lopti_lab.probes.shift import float64_logprobs
-from lopti_lab.rollout import Rollout, response_logprobs, sample
+from lopti_lab.rollout import FAST_PATHS, Rollout, response_logprobs, sample
 from lopti_lab.theory import DEFAULT_BINS
 from lopti_lab.trainer import TrainConfig, advantages_and_stages, evaluate, score_rollout, train, update_policy
 
@@ -87,11 +88,20 @@ def frozen_batch(
     temperature: float = 1.0,
     max_new_tokens: int = 256,
     seed: int = 0,
+    fast_path: str = "auto",
 ) -> FrozenBatch:
     """Sample G completions per puzzle (with rollout log-probs), score them and compute GRPO advantages."""
     torch.manual_seed(seed)
     prompts = [build_prompt(p, prompt_style, tokenizer) for p in puzzles]
-    rollout = sample(model, tokenizer, prompts, group_size, max_new_tokens=max_new_tokens, temperature=temperature)
+    rollout = sample(
+        model,
+        tokenizer,
+        prompts,
+        group_size,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        fast_path=fast_path,
+    )
     totals = torch.tensor([r.total for r in score_rollout(rollout, puzzles)], device=rollout.response_ids.device)
     return FrozenBatch(list(puzzles), rollout, totals, group_advantages(totals, group_size), temperature)
 
@@ -229,6 +239,9 @@ class DemoConfig:
     model: str = "lab"
     threads: int | None = None
     """torch threads (None: torch's default)"""
+    fast_path: str = "auto"
+    """the decoder and log-prob path of every run and the warm-start evaluation (`rollout.FAST_PATHS`; "hf" is the
+    path before the lean decode, for timing it side by side)"""
 
     def __post_init__(self):
         for name in ("train_people", "eval_people", "methods"):
@@ -251,6 +264,7 @@ class DemoConfig:
         check.items("methods", lambda m: m in METHODS, f"methods from {list(METHODS)}", distinct=True)
         check.text("model")
         check.integer("threads", low=1, optional=True)
+        check.choice("fast_path", FAST_PATHS)
         if self.quick:  # every code path once, on the smallest batches that exercise it (tests, notebook QUICK)
             self.steps, self.prompts_per_step, self.group_size, self.eval_size, self.eval_samples = 2, 4, 4, 8, 1
             self.eval_people, self.probe_every = self.eval_people[:2], 1
@@ -285,6 +299,7 @@ class DemoConfig:
             save_every=0,
             run_dir=str(run_dir),
             progress=True,
+            fast_path=self.fast_path,
             **METHODS[method],
         )
 
@@ -312,6 +327,7 @@ def run_demo(config: DemoConfig) -> Path:
         config.group_size,
         temperature=config.temperature,
         max_new_tokens=config.max_new_tokens,
+        fast_path=config.fast_path,
     )
     shift = counterfactual(
         model,
@@ -361,8 +377,8 @@ def warm_start_eval(config: DemoConfig, model, tokenizer) -> dict[str, float]:
             key = json.dumps({"sha256": hashlib.sha256(weights.read_bytes()).hexdigest(), **settings}, sort_keys=True)
             cache_file = weights.parent / WARM_START_CACHE
     cache = json.loads(cache_file.read_text()) if cache_file is not None and cache_file.is_file() else {}
-    if config.cache_warm_start and key in cache:
-        return cache[key]
+    if config.cache_warm_start and key in cache and all(f"{k}_se" in cache[key] for k in _acc_keys(config)):
+        return cache[key]  # (an entry recorded before evaluate reported standard errors is measured again)
     test = load_split("test", config.eval_people, limit=config.eval_size)
     warm = evaluate(
         model,
@@ -372,6 +388,7 @@ def warm_start_eval(config: DemoConfig, model, tokenizer) -> dict[str, float]:
         max_new_tokens=config.max_new_tokens,
         samples=config.eval_samples,
         seed=settings["seed"],
+        fast_path=config.fast_path,
     )
     if cache_file is not None and not config.quick:  # smoke runs (tests) leave the checkout untouched
         try:
@@ -379,6 +396,10 @@ def warm_start_eval(config: DemoConfig, model, tokenizer) -> dict[str, float]:
         except OSError as err:  # a read-only install: measuring every time is correct, only slower
             warnings.warn(f"could not cache the warm-start evaluation in {cache_file}: {err}", stacklevel=2)
     return warm
+
+
+def _acc_keys(config: DemoConfig) -> list[str]:
+    return [f"eval/{mode}/acc_{n}ppl" for mode in ("sample", "greedy") for n in config.eval_people]
 
 
 def _finished(run_dir: Path, steps: int) -> bool:
@@ -389,28 +410,32 @@ def _finished(run_dir: Path, steps: int) -> bool:
 
 
 def accuracy_table(config: DemoConfig, run_dirs: dict, warm: dict, mode: str = "sample") -> pd.DataFrame:
-    """The paper's layout: one row per model (warm start, + each method), one column per people count and avg;
-    mean over seeds, with the std over seeds in a second frame when there are several seeds."""
+    """The paper's layout: one row per (model, seed) (warm start, + each method), one column per people count and
+    avg, and beside each its evaluation standard error (``{n}ppl_se``, ``avg_se``: `trainer.accuracy_se`; the
+    avg's from the independent people counts, sqrt(sum se^2) / k)."""
     people = list(config.eval_people)
-    rows = [
-        {"model": "Lab model (warm start)", "seed": 0, **{f"{n}ppl": warm[f"eval/{mode}/acc_{n}ppl"] for n in people}}
-    ]
-    for (method, seed), run_dir in run_dirs.items():
-        last = runs.load_metrics(run_dir)[-1]
-        rows.append(
-            {
-                "model": f"+ {method.replace('+', ' + ')}",
-                "seed": seed,
-                **{f"{n}ppl": last[f"eval/{mode}/acc_{n}ppl"] for n in people},
-            }
-        )
+    models = [("Lab model (warm start)", 0, warm)]
+    models += [(f"+ {m.replace('+', ' + ')}", seed, runs.load_metrics(d)[-1]) for (m, seed), d in run_dirs.items()]
+    rows = []
+    for model, seed, metrics in models:
+        row = {"model": model, "seed": seed}
+        for n in people:
+            row[f"{n}ppl"] = metrics[f"eval/{mode}/acc_{n}ppl"]
+            row[f"{n}ppl_se"] = metrics.get(f"eval/{mode}/acc_{n}ppl_se", math.nan)
+        rows.append(row)
     frame = pd.DataFrame(rows)
     frame["avg"] = frame[[f"{n}ppl" for n in people]].mean(axis=1)
+    frame["avg_se"] = (frame[[f"{n}ppl_se" for n in people]] ** 2).sum(axis=1, min_count=len(people)) ** 0.5 / len(
+        people
+    )
     return frame
 
 
 def _markdown(mean: pd.DataFrame, std: pd.DataFrame | None) -> str:
-    columns = list(mean.columns)
+    """Cells "mean ± std over seeds" (``std`` given) or "accuracy ± its evaluation SE" (one seed)."""
+    columns = [c for c in mean.columns if not c.endswith("_se")]
+    if std is None and all(f"{c}_se" in mean.columns for c in columns):
+        std = mean[[f"{c}_se" for c in columns]].rename(columns=lambda c: c.removesuffix("_se"))
     lines = [
         "| " + " | ".join(["K&K accuracy (people)", *[c.removesuffix("ppl") for c in columns]]) + " |",
         "|---" * (len(columns) + 1) + "|",
@@ -434,9 +459,9 @@ def write_report(
         frame = accuracy_table(config, run_dirs, warm, mode)
         frame.to_csv(out / f"accuracy_{mode}.csv", index=False)
         grouped = frame.drop(columns="seed").groupby("model", sort=False)
-        means[mode] = grouped.mean()
+        means[mode] = grouped.mean()  # the _se columns: a single run's evaluation SE, averaged over seeds
         std = grouped.std(ddof=1) if config.seeds > 1 else None  # sample std; NaN for the single warm-start row
-        tables[mode] = _markdown(means[mode], std)
+        tables[mode] = _markdown(means[mode], std) + _se_line(means[mode], config)
         (out / f"accuracy_{mode}.md").write_text(tables[mode])
     shift.bins.to_csv(out / "counterfactual.csv", index=False)
     figures = {
@@ -460,6 +485,16 @@ def write_report(
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     (out / "report.md").write_text(_report_text(config, tables, verdict, minutes))
     return out
+
+
+def _se_line(mean: pd.DataFrame, config: DemoConfig) -> str:
+    """Below a table: what the ± means, and with several seeds the evaluation's own SE of one run."""
+    if config.seeds == 1:
+        return "\n± is the evaluation's standard error (test puzzles as the unit: `trainer.accuracy_se`).\n"
+    runs_only = mean.drop(index="Lab model (warm start)", errors="ignore")
+    cells = ", ".join(f"{c.removesuffix('ppl_se')} people {runs_only[c].mean():.3f}"
+                      for c in runs_only.columns if c.endswith("ppl_se"))  # fmt: skip
+    return f"\n± is the std over seeds; one run's evaluation standard error, for scale: {cells}.\n"
 
 
 def compare_methods(mean: pd.DataFrame, config: DemoConfig) -> list[str]:
@@ -524,11 +559,12 @@ def add_cli(subparsers) -> None:
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--temperature", type=float, default=None, help="rollout temperature (default 0.7)")
     p.add_argument("--ppo-epochs", type=int, default=None, help="passes over each step's rollouts (default 1)")
+    p.add_argument("--fast-path", default=None, help=f"decoder: one of {', '.join(FAST_PATHS)} (default auto)")
     p.set_defaults(func=_cli_demo)
 
 
 def _cli_demo(args) -> int:
-    names = ("steps", "lr", "temperature", "ppo_epochs")
+    names = ("steps", "lr", "temperature", "ppo_epochs", "fast_path")
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.methods:
         overrides["methods"] = tuple(args.methods)

@@ -210,3 +210,24 @@ def test_accuracy_markdown_gives_a_spread_only_where_there_are_seeds():
     assert lines[2] == "| Lab model (warm start) | 0.25 | 0.25 |"
     assert lines[3] == "| + GRPO | 0.35 ± 0.07 | 0.35 ± 0.07 |"  # sample std of (.3, .4) = .0707
     assert "±" not in experiments._markdown(grouped.mean(), None)
+    one = pd.DataFrame({"3ppl": [0.3], "3ppl_se": [0.046], "avg": [0.3], "avg_se": [0.046]}, index=["+ GRPO"])
+    assert experiments._markdown(one, None).splitlines()[2] == "| + GRPO | 0.30 ± 0.05 | 0.30 ± 0.05 |"  # one seed: SE
+
+
+def test_accuracy_table_carries_each_runs_standard_error(tmp_path):
+    """The SE columns come from the runs' metrics; the avg's is sqrt(sum se^2) / k over the people counts."""
+    from lopti_lab import runs
+
+    config = experiments.DemoConfig(out=str(tmp_path / "demo"), eval_people=(2, 3))
+    folder = runs.RunFolder(tmp_path / "run")
+    folder.write_config({"note": "test"})
+    record = {"step": 1}
+    for mode in ("sample", "greedy"):
+        record |= {f"eval/{mode}/acc_2ppl": 0.5, f"eval/{mode}/acc_3ppl": 0.2}
+        record |= {f"eval/{mode}/acc_2ppl_se": 0.03, f"eval/{mode}/acc_3ppl_se": 0.04}
+    folder.log(record)
+    warm = {k: v for k, v in record.items() if k != "step" and not k.endswith("_se")}  # an old cache entry
+    frame = experiments.accuracy_table(config, {("GRPO", 0): tmp_path / "run"}, warm, "sample")
+    run = frame.set_index("model").loc["+ GRPO"]
+    assert run["3ppl_se"] == 0.04 and abs(run["avg_se"] - (0.03**2 + 0.04**2) ** 0.5 / 2) < 1e-12
+    assert frame.set_index("model").loc["Lab model (warm start)", ["2ppl_se", "avg_se"]].isna().all()

@@ -6,10 +6,10 @@
 # bin, and reproduce the paper's Fig. 1 and Fig. 2 with our probes. At the end, one frozen batch is updated four
 # ways (GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti) from the same weights to see what each fix changes.
 #
-# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 10.4 min of one core on this project's
-# 2-core machine while other jobs shared it (31.7 min wall at load average 7.5; an earlier run with less load took 5.6
-# min wall), most of it in the selective sweep, the attribution tables and the four-way counterfactual; on one GPU
-# with Qwen2.5-1.5B-Instruct: not measured.
+# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 63 s on this project's idle 2-core machine
+# (`jupyter nbconvert --execute`, kernel start included; 6 three-person puzzles x 8 samples), most of it in the
+# selective sweep, the attribution tables and the four-way counterfactual; on one GPU with Qwen2.5-1.5B-Instruct: not
+# measured.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -44,7 +44,7 @@ env
 # %%
 lora = None if env.lora_r is None else models.LoraSpec(r=env.lora_r)
 model, tokenizer = models.load_policy(env.model, lora=lora, device=env.device)
-puzzles = kk.load_split("train", [3, 4], limit=2 if QUICK else 8)
+puzzles = kk.load_split("train", [3], limit=2 if QUICK else 6)
 batch = experiments.frozen_batch(model, tokenizer, puzzles, group_size=4 if QUICK else 8,
                                  prompt_style=env.prompt_style, temperature=1.0,
                                  max_new_tokens=200 if env.model == "lab" else 1024)
@@ -110,9 +110,12 @@ tables.query("scope == 'model'").pivot_table(index="label", columns="attribution
 # ## The same batch, four updates (Fig. 2b)
 #
 # Each method's update (its optimizer steps for one RL step, exactly as the trainer takes them) is applied to this
-# frozen batch from the same weights; then we count, per probability bin, the share of positive-advantage tokens
-# whose probability went up (the "correct ratio"). The paper's GRPO falls below 0.5 in the top bin, and AR and Lopti
-# hold it up. A small batch makes these ratios noisy: QUICK mode only checks that the machinery runs.
+# frozen batch from the same weights; then we count, per probability bin, the share of positive-advantage tokens whose
+# probability went up (the "correct ratio"). The paper's GRPO falls below 0.5 in the top bin, and AR and Lopti hold it
+# up. The moves are measured between float64 forwards: a token near p = 1 moves by 1e-5 to 1e-8 in one small update,
+# below a float32 log-prob's rounding, and a token whose log-prob did not move at all is counted apart (the light bars
+# on the right axis: the unmoved share), not as moved the wrong way. A small batch makes these ratios noisy: QUICK mode
+# only checks that the machinery runs.
 
 # %%
 shift = experiments.counterfactual(model, batch, lr=1e-3 if env.model == "lab" else 1e-4, optimizer="sgd")
