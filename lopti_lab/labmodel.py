@@ -512,27 +512,40 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("pretrain", help="train the lab model's warm start from scratch (CPU, <= 60 min)")
     defaults = PretrainConfig()
     p.add_argument("--out", default="data/lab_model", help="output folder (default data/lab_model)")
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--max-minutes", type=float, default=defaults.max_minutes)
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    p.add_argument(
+        "--config",
+        default=None,
+        help="a JSON file of PretrainConfig fields, or a lab_model.json (its recorded config): the flags below "
+        "override it",
+    )
+    p.add_argument("--steps", type=int, default=None, help=f"default {defaults.steps}")
+    p.add_argument("--max-minutes", type=float, default=None, help=f"default {defaults.max_minutes}")
+    p.add_argument("--batch-size", type=int, default=None, help=f"default {defaults.batch_size}")
+    p.add_argument("--lr", type=float, default=None, help=f"default {defaults.lr}")
+    p.add_argument("--seed", type=int, default=None, help=f"default {defaults.seed}")
+    p.add_argument("--eval-every", type=int, default=None, help=f"default {defaults.eval_every}")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.set_defaults(func=_cli_pretrain)
 
 
 def _cli_pretrain(args) -> int:
+    fields_given = {}
+    if args.config is not None:
+        try:
+            loaded = json.loads(Path(args.config).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise SystemExit(f"lopti-lab pretrain: --config {args.config}: {err}") from None
+        fields_given = loaded.get("config", loaded) if isinstance(loaded, dict) else loaded
+        if not isinstance(fields_given, dict):
+            raise SystemExit(
+                f"lopti-lab pretrain: --config {args.config}: expected a JSON object of PretrainConfig fields"
+            )
+    names = ("steps", "max_minutes", "batch_size", "lr", "seed", "eval_every", "threads")
+    fields_given |= {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     try:
-        config = PretrainConfig(
-            steps=args.steps,
-            max_minutes=args.max_minutes,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            seed=args.seed,
-            eval_every=args.eval_every,
-            threads=args.threads,
-        )
+        config = PretrainConfig(**fields_given)
+    except TypeError as err:  # an unknown field
+        raise SystemExit(f"lopti-lab pretrain: --config {args.config}: {err}") from None
     except ValueError as err:
         raise SystemExit(f"lopti-lab pretrain: {err}") from None
     summary = pretrain(config, args.out)

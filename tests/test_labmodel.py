@@ -127,6 +127,36 @@ def test_pretrain_smoke_saves_a_loadable_model(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), first.state_dict().values()))
 
 
+def test_pretrain_on_lab_traces_is_reproduced_by_the_cli_from_its_recorded_config(tmp_path):
+    """`lopti-lab pretrain --config <a lab_model.json>` retrains the same model: same tokenizer, same weights."""
+    from lopti_lab.cli import main
+    from lopti_lab.labmodel import RL_TRACE
+
+    spec = LabModelSpec(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    cfg = PretrainConfig(
+        people=(2, 3), people_weights=(1.0, 2.0), curriculum_steps=0, steps=3, batch_size=4, eval_every=10,
+        spec=spec, warmup_steps=1, final_people=(2,), final_size=2, final_samples=1, trace=RL_TRACE,
+        length_buckets=2, max_new_tokens=16, threads=1,
+    )  # fmt: skip
+    pretrain(cfg, tmp_path / "a", progress=False)
+    saved = json.loads((tmp_path / "a" / "lab_model.json").read_text())
+    assert saved["config"]["trace"]["slip"] == RL_TRACE.slip
+    assert main(["pretrain", "--config", str(tmp_path / "a" / "lab_model.json"), "--out", str(tmp_path / "b")]) == 0
+    model_a, model_b = load_lab_model(tmp_path / "a")[0], load_lab_model(tmp_path / "b")[0]
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    text = lab_response(generate_puzzle(3, 7), None, RL_TRACE)
+    assert any(f" {verb} " in text for verb in RL_TRACE.say_verbs)  # a labtrace trace, not the compact one
+    for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"stepz": 3}))
+    with pytest.raises(SystemExit, match="stepz"):
+        main(["pretrain", "--config", str(bad), "--out", str(tmp_path / "c")])
+    assert not (tmp_path / "c").exists()
+
+
 def test_missing_lab_model_is_explained(tmp_path):
     with pytest.raises(FileNotFoundError, match="lopti-lab pretrain"):
         load_lab_model(tmp_path)
