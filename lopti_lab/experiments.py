@@ -560,11 +560,17 @@ def add_cli(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=None, help="rollout temperature (default 0.7)")
     p.add_argument("--ppo-epochs", type=int, default=None, help="passes over each step's rollouts (default 1)")
     p.add_argument("--fast-path", default=None, help=f"decoder: one of {', '.join(FAST_PATHS)} (default auto)")
+    p.add_argument("--model", default=None, help='"lab" (the bundled lab model, default) or a lab model folder')
+    p.add_argument("--max-new-tokens", type=int, default=None, help="response cap of rollouts and evaluation")
+    p.add_argument("--train-people", type=int, nargs="+", default=None, help="people counts trained on (default 3)")
+    p.add_argument("--eval-people", type=int, nargs="+", default=None, help="people counts evaluated (default 2-5)")
+    p.add_argument("--eval-size", type=int, default=None, help="test puzzles per people count (default 100)")
     p.set_defaults(func=_cli_demo)
 
 
 def _cli_demo(args) -> int:
-    names = ("steps", "lr", "temperature", "ppo_epochs", "fast_path")
+    names = ("steps", "lr", "temperature", "ppo_epochs", "fast_path", "model", "max_new_tokens", "train_people",
+             "eval_people", "eval_size")  # fmt: skip
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.methods:
         overrides["methods"] = tuple(args.methods)

@@ -195,6 +195,20 @@ def test_demo_cli_passes_the_rl_settings_and_names_a_bad_one(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="ppo_epochs"):
         main(["demo", "--ppo-epochs", "0", "--out", str(tmp_path / "demo")])
     assert not (tmp_path / "demo").exists()
+    argv = ["demo", "--fast-path", "hf", "--max-new-tokens", "300", "--train-people", "2", "3", "--eval-people", "3"]
+    assert main([*argv, "--eval-size", "20", "--out", str(tmp_path)]) == 0
+    last = seen[-1]
+    assert (last.fast_path, last.max_new_tokens, last.train_people, last.eval_people, last.eval_size, last.model) == (
+        "hf",
+        300,
+        (2, 3),
+        (3,),
+        20,
+        "lab",
+    )
+    for flag, value, field in (("--fast-path", "fast", "fast_path"), ("--model", "no/such/model", "model")):
+        with pytest.raises(SystemExit, match=field):
+            main(["demo", flag, value, "--out", str(tmp_path / "demo")])
 
 
 def test_accuracy_markdown_gives_a_spread_only_where_there_are_seeds():
