@@ -471,6 +471,8 @@ def write_report(
         "gradient_share.png": plots.gradient_share(long),
         "correct_ratio.png": plots.fig2(shift=shift.bins),
     }
+    if config.probe_every > 0:  # the probe steps' bins over training (Fig. 1a, 1d and 2b per step)
+        figures["mechanism.png"] = plots.mechanism_over_steps(long)
     for name, fig in figures.items():
         fig.savefig(out / name, dpi=110)
     verdict = compare_methods(means["sample"], config)
@@ -541,10 +543,13 @@ Whether AR or Lopti beats GRPO at this scale is an experimental result of this r
 - `gradient_share.png`: each probability bin's share of the tokens and of the gradient (the paper's Fig. 1a/1d).
 - `correct_ratio.png`: one update of each method on the same frozen batch from the warm start: the share of
   positive-advantage tokens whose probability went up, per probability bin (the paper's Fig. 2b).
+- `mechanism.png`: the same quantities during training, at every probe step: each bin's share of the tokens and of
+  the gradient, and the correct ratio of the step's update among the tokens that moved (mean over seeds).
 
 ![learning curves](learning_curves.png)
 ![gradient share](gradient_share.png)
 ![correct ratio](correct_ratio.png)
+![mechanism over training](mechanism.png)
 """
 
 

@@ -131,7 +131,7 @@ def test_demo_quick_writes_every_report_file(tmp_path):
         "counterfactual.csv",
     ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
-    for name in ("learning_curves.png", "gradient_share.png", "correct_ratio.png"):
+    for name in ("learning_curves.png", "gradient_share.png", "correct_ratio.png", "mechanism.png"):
         assert (out / name).stat().st_size > 10_000, f"{name} looks empty"
     table = (out / "accuracy_sample.csv").read_text()
     for row in ("warm start", "GRPO", "GRPO + AR", "GRPO + Lopti", "GRPO + AR + Lopti"):
