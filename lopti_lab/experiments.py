@@ -549,7 +549,7 @@ Whether AR or Lopti beats GRPO at this scale is an experimental result of this r
 ![learning curves](learning_curves.png)
 ![gradient share](gradient_share.png)
 ![correct ratio](correct_ratio.png)
-![mechanism over training](mechanism.png)
+{"![mechanism over training](mechanism.png)" if config.probe_every > 0 else ""}
 """
 
 
