@@ -381,6 +381,17 @@ def gradient_share(long: pd.DataFrame) -> Figure:
     return fig
 
 
+def _per_bin(long: pd.DataFrame, pattern: str, missing: str) -> pd.DataFrame:
+    """The metrics of ``long`` matching ``pattern`` (groups: quantity, bin) as one row per (method, run, step, bin)
+    and one column per quantity."""
+    cells = long[long["metric"].str.match(pattern)].copy()
+    if cells.empty:
+        raise ValueError(f"{missing}: train with probe_every > 0")
+    parts = cells["metric"].str.extract(pattern)
+    cells["what"], cells["bin"] = parts[0], parts[1].astype(int)
+    return cells.pivot_table(index=["method", "run", "step", "bin"], columns="what", values="value").reset_index()
+
+
 def mechanism_over_steps(long: pd.DataFrame, sign: str = "pos", smooth: int = 1) -> Figure:
     """The paper's mechanism during training, per method over the probed steps: one column per probability bin, rows
     (a) the bin's share of the response tokens (Fig. 1a), (b) its share of the gradient (Fig. 1d, "position"
@@ -388,12 +399,7 @@ def mechanism_over_steps(long: pd.DataFrame, sign: str = "pos", smooth: int = 1)
     the mean over each method's runs (seeds); ``smooth`` > 1 applies a centred rolling mean over steps."""
     _require(long, "long", ["run", "method", "step", "metric", "value"])
     pattern = rf"^(tokens/share|grad/share|shift/correct_{sign}|shift/n_{sign}|shift/unmoved_{sign})_bin(\d+)$"
-    cells = long[long["metric"].str.match(pattern)].copy()
-    if cells.empty:
-        raise ValueError("no tokens/share_bin*, grad/share_bin* or shift/* metrics: train with probe_every > 0")
-    parts = cells["metric"].str.extract(pattern)
-    cells["what"], cells["bin"] = parts[0], parts[1].astype(int)
-    wide = cells.pivot_table(index=["method", "run", "step", "bin"], columns="what", values="value").reset_index()
+    wide = _per_bin(long, pattern, "no tokens/share_bin*, grad/share_bin* or shift/* metrics")
     bins = sorted(wide["bin"].unique())
     rows = [("tokens/share", "share of tokens"), ("grad/share", "share of the gradient")]
     if f"shift/correct_{sign}" in wide.columns:
@@ -468,12 +474,7 @@ def correct_ratio(long: pd.DataFrame, sign: str = "pos") -> Figure:
     tokens that went up) or "neg" (A < 0 tokens that went down)."""
     _require(long, "long", ["method", "step", "metric", "value"])
     pattern = rf"^shift/(correct|n|unmoved)_{sign}_bin(\d+)$"
-    cells = long[long["metric"].str.match(pattern)].copy()
-    if cells.empty:
-        raise ValueError("no shift/* metrics: train with probe_every > 0")
-    parts = cells["metric"].str.extract(pattern)
-    cells["what"], cells["bin"] = parts[0], parts[1].astype(int)
-    wide = cells.pivot_table(index=["method", "run", "step", "bin"], columns="what", values="value").reset_index()
+    wide = _per_bin(long, pattern, "no shift/* metrics")
     wide = wide.rename(columns={"n": "n_tokens", "correct": "correct_ratio"})
     if "unmoved" in wide.columns:  # runs before the unmoved share was logged count every token as moved
         wide["n_moved"] = wide["n_tokens"] * (1 - wide["unmoved"].fillna(0))
