@@ -3,12 +3,15 @@
     .venv/bin/python benchmarks/lab_model_probe.py --name base --minutes 20 --set steps=3000
     .venv/bin/python benchmarks/lab_model_probe.py --name wide --minutes 20 --set spec.hidden_size=320 trace.slip=0.02
     .venv/bin/python benchmarks/lab_model_probe.py --ideal      # no training: what a perfect learner would show
+    .venv/bin/python benchmarks/lab_model_probe.py --audit reports/lab_probes/base   # re-read a probe's traces
 
 Each probe runs `labmodel.pretrain` on labtrace's traces (`labmodel.RL_TRACE`, 4 length buckets, evaluations up to
 896 new tokens) with the overrides given (``field=value``, nested fields with a dot; values are
 Python literals), then reports the targets of the RL-ready lab model (issue 11) on the bundled test split: greedy and
 sampled accuracy at 2 and 3 people, format errors, and the token-probability profile of its own rollouts (3-person
-training puzzles, 8 samples each at the rollout temperature). Results go to reports/lab_probes/<name>/probe.json.
+training puzzles, 8 samples each at the rollout temperature), and an audit of its greedy traces
+(`labmodel.audit_greedy`: transcription, copy and logic errors, slips; 40 test puzzles per people count). Results go
+to reports/lab_probes/<name>/probe.json.
 
 ``--ideal`` trains nothing: for the trace style (with the --set trace overrides) it prints what a model that samples
 exactly the traces' distribution would show at T = 1.0, the ceiling of a warm start: the token profile
@@ -82,7 +85,17 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=100, help="test puzzles per people count")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--ideal", action="store_true", help="no training: the traces' own profile and accuracy")
+    parser.add_argument("--audit", metavar="DIR", help="no training: audit the greedy traces of a saved lab model")
     args = parser.parse_args()
+    if args.audit:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        model, tokenizer = labmodel.load_lab_model(args.audit)
+        trace = json.loads((Path(args.audit) / "lab_model.json").read_text())["config"]["trace"]
+        style = labmodel.PretrainConfig(trace=trace).trace  # the JSON dict, read as the pretrain reads it
+        print(json.dumps([labmodel.audit_greedy(model, tokenizer, style, n) for n in args.people], indent=1))
+        return
     if args.ideal:
         trace = {**asdict(labmodel.RL_TRACE), **parse_overrides(args.set).get("trace", {})}
         print(json.dumps(ideal(labtrace.TraceStyle(**trace), args.people, args.size), indent=1))
@@ -100,6 +113,7 @@ def main() -> None:
     summary = labmodel.pretrain(config, out)
     model, tokenizer = labmodel.load_lab_model(out)
     profile = labmodel.rollout_profile(model, tokenizer, people=3, temperature=args.temperature)
+    audit = [labmodel.audit_greedy(model, tokenizer, config.trace, n) for n in args.people]
     result = {
         "name": args.name,
         "overrides": overrides,
@@ -108,6 +122,7 @@ def main() -> None:
         "parameters": summary["parameters"],
         "final_eval": summary["final_eval"],
         "profile": profile,
+        "audit": audit,
         "last_loss": sum(r["loss"] for r in summary["log"][-50:]) / max(1, len(summary["log"][-50:])),
         "wall_minutes": (time.perf_counter() - start) / 60,
     }

@@ -478,6 +478,43 @@ def rollout_profile(
     }
 
 
+def audit_greedy(
+    model, tokenizer, style: TraceStyle, people: int = 2, size: int = 40, max_new_tokens: int = 896
+) -> dict:
+    """Where a labtrace-trained model goes wrong: greedy traces of the first ``size`` test puzzles read back with
+    ``labtrace.audit_trace``. Totals of each audit count over the traces, ``clean`` (traces without copy, logic or
+    transcription errors) and ``clean_transcription`` (every statement restated right), and the accuracy overall
+    and on each of those two subsets (``None`` when a subset is empty)."""
+    from lopti_lab.kk import score_response
+    from lopti_lab.labtrace import audit_trace
+    from lopti_lab.rollout import sample
+
+    chosen = load_split("test", people, limit=size)
+    prompts = [build_prompt(p, LAB_PROMPT_STYLE, tokenizer) for p in chosen]
+    rollout = sample(model, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens)
+    counts = ("parsed", "decisions", "slips", "copy_errors", "logic_errors", "transcribed", "transcription_errors")
+    totals = dict.fromkeys(counts, 0)
+    right: dict[str, list[bool]] = {"all": [], "clean": [], "clean_transcription": []}
+    for p, text in zip(chosen, rollout.texts, strict=True):
+        audit = audit_trace(text, p, style)
+        for key in counts:
+            totals[key] += int(getattr(audit, key))
+        ok = score_response(text, p).total == 3
+        right["all"].append(ok)
+        if audit.clean:
+            right["clean"].append(ok)
+        if audit.parsed and not audit.transcription_errors:
+            right["clean_transcription"].append(ok)
+    return {
+        "people": people,
+        "traces": len(chosen),
+        **totals,
+        "clean": len(right["clean"]),
+        "clean_transcription": len(right["clean_transcription"]),
+        **{f"accuracy_{k}": (sum(v) / len(v) if v else None) for k, v in right.items()},
+    }
+
+
 def save_lab_model(model, tokenizer, out: str | Path, summary: dict) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ solution is (knave, knight) writes a failing line for (knight, knight), then for
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
@@ -361,6 +362,16 @@ class TraceAudit:
     """restated statements or roles that do not match the quiz or the line"""
     logic_errors: int = 0
     """verdicts, next lines or answers that do not follow from what was written"""
+    transcribed: int = 0
+    """statements restated before the first line (``TraceStyle.transcribe``)"""
+    transcription_errors: int = 0
+    """restated statements that are not their speaker's in the quiz, plus each person never or twice restated: the
+    checks copy from these lines, so one error here can spoil every check of that speaker"""
+
+    @property
+    def clean(self) -> bool:
+        """No copy, logic or transcription error (slips allowed): the trace did what its own values said."""
+        return self.parsed and not (self.copy_errors or self.logic_errors or self.transcription_errors)
 
 
 _VALUES = {"true": True, "false": False}
@@ -395,6 +406,17 @@ def _audit_claim(words: list[str], statement: Statement, names, knights, audit: 
     return values[0] if op in LEAVES else _combine(op, values)
 
 
+def _audit_transcription(words: list[str], puzzle: Puzzle, style: TraceStyle, restated: Counter, audit) -> None:
+    """One restated statement before the first line: 'SPEAKER VERB claim' with the claim in compact words."""
+    audit.transcribed += 1
+    if words[0] not in puzzle.names or len(words) < 3 or words[1] not in style.say_verbs:
+        audit.transcription_errors += 1
+        return
+    restated[words[0]] += 1
+    claim = render_claim(puzzle.statements[puzzle.names.index(words[0])], puzzle.names)
+    audit.transcription_errors += " ".join(words[2:]) != claim
+
+
 def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = TraceStyle()) -> TraceAudit:
     """Read a lab trace (the response after ``<think>``) back and count its slips and errors.
 
@@ -411,10 +433,15 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = TraceStyle()) -> 
     order = assignments(puzzle.n_people)
     line: tuple[bool, ...] | None = None
     line_no, passed_line, line_failed = -1, None, False
+    restated: Counter | None = Counter()
     try:
         for words in sentences:
             if line is None and words[0] not in style.line_verbs:  # transcription, before the first line
+                _audit_transcription(words, puzzle, style, restated, audit)
                 continue
+            if line is None and style.transcribe:  # the first line: every person restated once
+                audit.transcription_errors += sum(restated[n] != 1 for n in names)
+                restated = None
             if words[0] in style.line_verbs:  # a new assignment line
                 pairs = words[2:] if words[1:2] == ["now"] else words[1:]
                 if len(pairs) == 2 * puzzle.n_people + 1 and pairs[-3] == "and":
@@ -449,6 +476,8 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = TraceStyle()) -> 
     except (KeyError, IndexError, TypeError, ValueError):
         audit.parsed = False
         return audit
+    if restated is not None and style.transcribe:  # no line at all
+        audit.transcription_errors += sum(restated[n] != 1 for n in names)
     if passed_line is not None and solution_text_format(names, passed_line) not in answer:
         audit.logic_errors += 1
     return audit

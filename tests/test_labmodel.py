@@ -9,12 +9,13 @@ import pytest
 import torch
 from kk_fixtures import reference_records
 
-from lopti_lab.kk import build_prompt, generate_puzzle, instruct_prompt, score_response
+from lopti_lab.kk import build_prompt, generate_puzzle, instruct_prompt, load_split, score_response
 from lopti_lab.labmodel import (
     LAB_PROMPT_STYLE,
     TAG_TOKENS,
     LabModelSpec,
     PretrainConfig,
+    audit_greedy,
     build_model,
     build_tokenizer,
     collate,
@@ -25,6 +26,7 @@ from lopti_lab.labmodel import (
     lr_at,
     pretrain,
 )
+from lopti_lab.rollout import sample
 
 BUNDLED = lab_model_dir()
 needs_bundle = pytest.mark.skipif(not (BUNDLED / "config.json").is_file(), reason="lab model not built yet")
@@ -150,6 +152,14 @@ def test_pretrain_on_lab_traces_is_reproduced_by_the_cli_from_its_recorded_confi
     assert any(f" {verb} " in text for verb in RL_TRACE.say_verbs)  # a labtrace trace, not the compact one
     for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+    # the audit of its greedy traces: its accuracy is the reward's on the same greedy decode, and subsets nest
+    tokenizer = load_lab_model(tmp_path / "a")[1]
+    audit = audit_greedy(model_a, tokenizer, RL_TRACE, people=2, size=3, max_new_tokens=24)
+    puzzles = load_split("test", 2, limit=3)
+    greedy = sample(model_a, tokenizer, [build_prompt(p, LAB_PROMPT_STYLE, tokenizer) for p in puzzles],
+                    greedy=True, max_new_tokens=24)  # fmt: skip
+    assert audit["traces"] == 3 and audit["clean"] <= audit["clean_transcription"] <= audit["parsed"] <= 3
+    assert audit["accuracy_all"] == sum(score_response(t, p).total == 3 for t, p in zip(greedy.texts, puzzles)) / 3
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"stepz": 3}))
     with pytest.raises(SystemExit, match="stepz"):

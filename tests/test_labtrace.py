@@ -54,8 +54,8 @@ def test_without_slips_every_trace_is_right_and_every_decision_checks_out(people
         text = lab_trace(p, random.Random(seed), style)
         assert score_response(text, p).total == 3
         audit = audit_trace(text, p, style)
-        assert audit.parsed and audit.decisions > 0
-        assert (audit.slips, audit.copy_errors, audit.logic_errors) == (0, 0, 0)
+        assert audit.parsed and audit.decisions > 0 and audit.transcribed == people and audit.clean
+        assert (audit.slips, audit.copy_errors, audit.logic_errors, audit.transcription_errors) == (0, 0, 0, 0)
 
 
 def test_each_check_restates_the_speakers_statement_and_its_true_values():
@@ -126,6 +126,36 @@ def test_the_audit_finds_a_planted_slip_and_a_broken_copy():
     words[k - 1] = "knave" if words[k - 1] == "knight" else "knight"
     miscopied = audit_trace(" ".join(words), p, style)
     assert miscopied.parsed and miscopied.copy_errors == 1
+
+
+def test_the_audit_reads_the_transcription():
+    """The statements restated before the first line: give one speaker another's statement, restate one person twice
+    and leave another out, or stop before the first line; each is counted, and the checks are audited as before."""
+    style = TraceStyle(slip=0.0)
+    p = generate_puzzle(3, 12)
+    text = lab_trace(p, random.Random(2), style)
+    head, _, rest = _split_transcription(text, style)
+    lines = [s.split() for s in head.split(" .") if s.strip()]
+    assert sorted(w[0] for w in lines) == sorted(p.names)
+
+    def audit_with(new_lines):
+        return audit_trace(" " + " . ".join(" ".join(w) for w in new_lines) + " ." + rest, p, style)
+
+    swapped = [w[:2] + lines[(k + 1) % 3][2:] for k, w in enumerate(lines)]  # each speaker, the next one's claim
+    distinct = sum(" ".join(lines[k][2:]) != " ".join(lines[(k + 1) % 3][2:]) for k in range(3))
+    assert audit_with(swapped).transcription_errors == distinct > 0
+    twice = [lines[0], lines[0], lines[2]]  # one person twice, one never
+    assert audit_with(twice).transcription_errors == 2
+    assert audit_with(lines).clean and audit_with(lines).transcribed == 3
+    only = audit_trace(" " + " . ".join(" ".join(w) for w in lines[:2]) + " .</think><answer>x</answer>", p, style)
+    assert only.transcribed == 2 and only.transcription_errors == 1  # the third person never restated
+
+
+def _split_transcription(text: str, style: TraceStyle) -> tuple[str, str, str]:
+    """A trace's transcription (the sentences before the first line) and the rest, from the first line on."""
+    words = text.split(" ")
+    first = next(i for i, w in enumerate(words) if w in style.line_verbs and words[i - 1] == ".")
+    return " ".join(words[:first]), "", " " + " ".join(words[first:])
 
 
 @pytest.mark.parametrize(
