@@ -100,17 +100,20 @@ def load_policy(
     on ``device`` in ``dtype``, tokenizer padding on the left (generation appends on the right).
 
     ``name_or_path``: a hub id ("Qwen/Qwen2.5-0.5B-Instruct"), a local folder saved with ``save_pretrained``, or
-    "lab" for the bundled lab model (``lopti_lab.labmodel.load_lab_model``).
+    "lab" for the bundled lab model (``lopti_lab.labmodel.load_lab_model``; a lab model folder loads the same way).
     """
     kind = check_model_name(name_or_path)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    if kind == "lab":
+    # a lab model folder (`lopti-lab pretrain --out`) loads as the bundled one does: AutoTokenizer would give it
+    # Qwen2Tokenizer, whose pre-tokenizer changes the token ids the model was trained on
+    lab_folder = kind != "lab" and (Path(name_or_path) / "lab_model.json").is_file()
+    if kind == "lab" or lab_folder:
         try:
             from lopti_lab.labmodel import load_lab_model
         except ImportError as err:
             raise ValueError("model='lab' needs lopti_lab.labmodel, which is not available in this install") from err
-        model, tokenizer = load_lab_model()
+        model, tokenizer = load_lab_model(name_or_path if lab_folder else None)
         model = model.to(dtype)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -26,6 +26,7 @@ from lopti_lab.labmodel import (
     lr_at,
     pretrain,
 )
+from lopti_lab.models import load_policy
 from lopti_lab.rollout import sample
 
 BUNDLED = lab_model_dir()
@@ -152,8 +153,14 @@ def test_pretrain_on_lab_traces_is_reproduced_by_the_cli_from_its_recorded_confi
     assert any(f" {verb} " in text for verb in RL_TRACE.say_verbs)  # a labtrace trace, not the compact one
     for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    # the audit of its greedy traces: its accuracy is the reward's on the same greedy decode, and subsets nest
+    # load_policy on the folder (what `lopti-lab demo --model <folder>` runs): the tokenizer it was trained with, not
+    # the Qwen2Tokenizer AutoTokenizer picks for a qwen2 config (which splits "2" in "You meet 2 inhabitants")
     tokenizer = load_lab_model(tmp_path / "a")[1]
+    policy, policy_tokenizer = load_policy(str(tmp_path / "a"), lora=None)
+    prompt = build_prompt(generate_puzzle(2, 5), LAB_PROMPT_STYLE, tokenizer)
+    assert policy_tokenizer(prompt)["input_ids"] == tokenizer(prompt)["input_ids"]
+    assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), model_a.state_dict().values()))
+    # the audit of its greedy traces: its accuracy is the reward's on the same greedy decode, and subsets nest
     audit = audit_greedy(model_a, tokenizer, RL_TRACE, people=2, size=3, max_new_tokens=24)
     puzzles = load_split("test", 2, limit=3)
     greedy = sample(model_a, tokenizer, [build_prompt(p, LAB_PROMPT_STYLE, tokenizer) for p in puzzles],
