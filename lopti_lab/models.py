@@ -113,7 +113,7 @@ def load_policy(
             from lopti_lab.labmodel import load_lab_model
         except ImportError as err:
             raise ValueError("model='lab' needs lopti_lab.labmodel, which is not available in this install") from err
-        model, tokenizer = load_lab_model(name_or_path if lab_folder else None)
+        model, tokenizer = load_lab_model(name_or_path) if lab_folder else load_lab_model()
         model = model.to(dtype)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
