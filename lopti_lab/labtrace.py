@@ -406,7 +406,9 @@ def _audit_claim(words: list[str], statement: Statement, names, knights, audit: 
     return values[0] if op in LEAVES else _combine(op, values)
 
 
-def _audit_transcription(words: list[str], puzzle: Puzzle, style: TraceStyle, restated: Counter, audit) -> None:
+def _audit_transcription(
+    words: list[str], puzzle: Puzzle, style: TraceStyle, restated: Counter, audit: TraceAudit
+) -> None:
     """One restated statement before the first line: 'SPEAKER VERB claim' with the claim in compact words."""
     audit.transcribed += 1
     if words[0] not in puzzle.names or len(words) < 3 or words[1] not in style.say_verbs:
@@ -433,15 +435,14 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = TraceStyle()) -> 
     order = assignments(puzzle.n_people)
     line: tuple[bool, ...] | None = None
     line_no, passed_line, line_failed = -1, None, False
-    restated: Counter | None = Counter()
+    first_line = next((i for i, words in enumerate(sentences) if words[0] in style.line_verbs), len(sentences))
+    restated: Counter = Counter()
+    for words in sentences[:first_line]:  # the transcription
+        _audit_transcription(words, puzzle, style, restated, audit)
+    if style.transcribe:  # every person restated once
+        audit.transcription_errors += sum(restated[n] != 1 for n in names)
     try:
-        for words in sentences:
-            if line is None and words[0] not in style.line_verbs:  # transcription, before the first line
-                _audit_transcription(words, puzzle, style, restated, audit)
-                continue
-            if line is None and style.transcribe:  # the first line: every person restated once
-                audit.transcription_errors += sum(restated[n] != 1 for n in names)
-                restated = None
+        for words in sentences[first_line:]:
             if words[0] in style.line_verbs:  # a new assignment line
                 pairs = words[2:] if words[1:2] == ["now"] else words[1:]
                 if len(pairs) == 2 * puzzle.n_people + 1 and pairs[-3] == "and":
@@ -476,8 +477,6 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = TraceStyle()) -> 
     except (KeyError, IndexError, TypeError, ValueError):
         audit.parsed = False
         return audit
-    if restated is not None and style.transcribe:  # no line at all
-        audit.transcription_errors += sum(restated[n] != 1 for n in names)
     if passed_line is not None and solution_text_format(names, passed_line) not in answer:
         audit.logic_errors += 1
     return audit
