@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from lopti_lab.kk import generate_puzzle, score_response
-from lopti_lab.kk.logic import evaluate
+from lopti_lab.kk.logic import LEAVES, evaluate
 from lopti_lab.labtrace import (
     TraceStyle,
     assignments,
@@ -113,14 +113,26 @@ def test_wording_is_drawn_evenly_from_each_set():
 def test_the_audit_finds_a_planted_slip_and_a_broken_copy():
     """Flip the first truth value of a clean trace (transcriptions hold none, so it is a check's): one slip, or two
     when the statement's value no longer follows from its leaves. Restate a claim wrongly: a copy error."""
-    style = TraceStyle(slip=0.0)
-    p = generate_puzzle(3, 11)
-    text = lab_trace(p, random.Random(1), style)
-    words = text.split(" ")
-    k = next(i for i, w in enumerate(words) if w in ("true", "false"))
-    words[k] = "false" if words[k] == "true" else "true"
-    flipped = audit_trace(" ".join(words), p, style)
-    assert 1 <= flipped.slips <= 2 and flipped.copy_errors == 0
+    style = TraceStyle(slip=0.0, swap_symmetric=False)  # the first value written is the first leaf's
+    knights = (True, True, True)  # the first line
+    seen = set()
+    for seed in range(12):
+        p = generate_puzzle(3, 11 + seed)
+        text = lab_trace(p, random.Random(1), style)
+        words = text.split(" ")
+        k = next(i for i, w in enumerate(words) if w in ("true", "false"))
+        words[k] = "false" if words[k] == "true" else "true"
+        flipped = audit_trace(" ".join(words), p, style)
+        # the statement with that leaf's truth flipped: does the statement's written value still follow?
+        speaker = words[max(i for i in range(k) if words[i] == ".") + 1]
+        statement = p.statements[p.names.index(speaker)]
+        leaf = statement if statement[0] in LEAVES else statement[1]
+        other = ("lying" if leaf[0] == "telling-truth" else "telling-truth", leaf[1])
+        changed = other if leaf is statement else (statement[0], other, *statement[2:])
+        expected = 1 + (evaluate(changed, knights) != evaluate(statement, knights))
+        assert flipped.slips == expected and flipped.copy_errors == 0
+        seen.add(expected)
+    assert seen == {1, 2}  # both cases met: a flip the statement absorbs, and one it does not
     # the word just before that value is the leaf's role: swap it, and the claim is no longer the speaker's
     words = text.split(" ")
     words[k - 1] = "knave" if words[k - 1] == "knight" else "knight"
@@ -134,7 +146,7 @@ def test_the_audit_reads_the_transcription():
     style = TraceStyle(slip=0.0)
     p = generate_puzzle(3, 12)
     text = lab_trace(p, random.Random(2), style)
-    head, _, rest = _split_transcription(text, style)
+    head, rest = _split_transcription(text, style)
     lines = [s.split() for s in head.split(" .") if s.strip()]
     assert sorted(w[0] for w in lines) == sorted(p.names)
 
@@ -146,16 +158,17 @@ def test_the_audit_reads_the_transcription():
     assert audit_with(swapped).transcription_errors == distinct > 0
     twice = [lines[0], lines[0], lines[2]]  # one person twice, one never
     assert audit_with(twice).transcription_errors == 2
-    assert audit_with(lines).clean and audit_with(lines).transcribed == 3
+    unchanged = audit_with(lines)
+    assert unchanged.clean and unchanged.transcribed == 3
     only = audit_trace(" " + " . ".join(" ".join(w) for w in lines[:2]) + " .</think><answer>x</answer>", p, style)
     assert only.transcribed == 2 and only.transcription_errors == 1  # the third person never restated
 
 
-def _split_transcription(text: str, style: TraceStyle) -> tuple[str, str, str]:
+def _split_transcription(text: str, style: TraceStyle) -> tuple[str, str]:
     """A trace's transcription (the sentences before the first line) and the rest, from the first line on."""
     words = text.split(" ")
     first = next(i for i, w in enumerate(words) if w in style.line_verbs and words[i - 1] == ".")
-    return " ".join(words[:first]), "", " " + " ".join(words[first:])
+    return " ".join(words[:first]), " " + " ".join(words[first:])
 
 
 @pytest.mark.parametrize(
