@@ -159,6 +159,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
             ("unknown field", {"order": "random"}),
             ("out of range: slip", {"slip": 0.7}),
             ("repeated words", {"passes": ("ok", "ok")}),
+            ("two-word leaf role", {"leaf_roles": ("in fact",)}),
         ],
         "length_buckets": [("out of range", 0)],
         "max_new_tokens": [("out of range", 0)],

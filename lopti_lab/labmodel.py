@@ -492,7 +492,8 @@ def audit_greedy(
     chosen = load_split("test", people, limit=size)
     prompts = [build_prompt(p, LAB_PROMPT_STYLE, tokenizer) for p in chosen]
     rollout = sample(model, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens)
-    counts = ("parsed", "decisions", "slips", "copy_errors", "logic_errors", "transcribed", "transcription_errors")
+    counts = ("parsed", "decisions", "slips", "copy_errors", "logic_errors", "lookup_errors", "transcribed")
+    counts += ("transcription_errors", "leaves", "leaf_errors", "changed_leaves", "changed_leaf_errors")
     totals = dict.fromkeys(counts, 0)
     right: dict[str, list[bool]] = {"all": [], "clean": [], "clean_transcription": []}
     for p, text in zip(chosen, rollout.texts, strict=True):

@@ -26,6 +26,11 @@ a wrong assignment (a wrong answer) or reject the right one. The supervised mode
 when it samples, and almost never when it decodes greedily: sampled accuracy sits below greedy accuracy, and GRPO
 can close the gap by removing the slips.
 
+Two options move a lookup into the trace itself, after measuring where a trained model errs
+(benchmarks/README.md): ``leaf_roles`` writes the line's role of each leaf's person before its value ('Sebastian
+knave is knight false': a copy, then a comparison of two adjacent words, instead of a lookup and a comparison in one
+token), and ``restate_line`` repeats the line's roles before each check but a line's first.
+
 ``lab_trace(puzzle, rng)`` returns the response that follows the prompt's ``<think>``; ``TraceStyle`` holds the
 knobs. Worked example: ``lab_trace(p, random.Random(0), TraceStyle(slip=0.0))`` for a 2-person puzzle whose
 solution is (knave, knight) writes a failing line for (knight, knight), then for (knight, knave), then the line
@@ -88,11 +93,22 @@ class TraceStyle:
     """probability of an optional 'now' after the verb of every line but the first ('Try now Logan knight ...')"""
     line_and: float = 0.5
     """probability of an optional 'and' before the last person of a line ('... Sebastian knave and Daniel knight .')"""
+    leaf_roles: tuple[str, ...] = ()
+    """words that bring in the line's role of a leaf's person before the leaf's truth value ('Sebastian knave is
+    knight false'): the role is copied from the line, and the value compares two adjacent words. Empty: the value
+    follows the claim directly, and the model must look the role up and compare in one token"""
+    restate_line: bool = False
+    """start every check but a line's first with 'with' and the line's roles ('with Logan knight Sebastian knave
+    Daniel knight Sebastian says ...'), so that the roles a check looks up are in its own sentence"""
 
     def __post_init__(self):
-        for name in ("line_verbs", "say_verbs", "connectives", "passes", "fails"):
+        for name in ("line_verbs", "say_verbs", "connectives", "passes", "fails", "leaf_roles"):
             words = getattr(self, name)
-            if not words or any(not w or " " in w for w in words) or len(set(words)) != len(words):
+            if (
+                (name != "leaf_roles" and not words)
+                or any(not w or " " in w for w in words)
+                or len(set(words)) != len(words)
+            ):
                 raise ValueError(f"TraceStyle.{name} must be distinct single words, got {words!r}")
         if not 0.0 <= self.slip < 0.5:
             raise ValueError(f"TraceStyle.slip must be in [0, 0.5), got {self.slip!r}")
@@ -226,6 +242,9 @@ def _write_claim(out: _Writer, statement: Statement, names, knights) -> bool:
         else:
             out.pick(name, 1.0)
             out.fixed(role)
+        if out.style.leaf_roles:
+            out.choose(out.style.leaf_roles)
+            out.fixed(role_word(knights[leaf[1]]))
         values.append(out.truth(evaluate(leaf, knights)))
     return values[0] if op in LEAVES else _combine(op, values)
 
@@ -282,6 +301,8 @@ def _write_trace(puzzle: Puzzle, rng: random.Random, style: TraceStyle) -> _Writ
         left = list(range(n))
         passed = True
         while left and passed:
+            if style.restate_line and len(left) < n:
+                out.fixed("with " + " ".join(f"{names[i]} {role_word(k)}" for i, k in enumerate(knights)))
             if style.random_check_order:
                 speaker = left.pop(rng.randrange(len(left)))
                 out.pick(names[speaker], 1.0 / (len(left) + 1))
@@ -338,7 +359,9 @@ def ideal_profile(
 def trace_vocabulary(style: TraceStyle = TraceStyle()) -> list[str]:
     """Every word a trace can use besides names (the tokenizer must keep each as one token)."""
     fixed = ["knight", "knave", "true", "false", "not", "if", "then", "and", "or", "iff", "that", "now", "none", "left"]
-    return [*style.line_verbs, *style.say_verbs, *style.connectives, *style.passes, *style.fails, *fixed]
+    fixed += ["with"] if style.restate_line else []
+    words = [*style.line_verbs, *style.say_verbs, *style.connectives, *style.passes, *style.fails, *style.leaf_roles]
+    return [*words, *fixed]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -362,6 +385,17 @@ class TraceAudit:
     """restated statements or roles that do not match the quiz or the line"""
     logic_errors: int = 0
     """verdicts, next lines or answers that do not follow from what was written"""
+    leaves: int = 0
+    """leaf truth values read (a part of ``decisions``)"""
+    leaf_errors: int = 0
+    """leaf values that are not the leaf's truth on the line, whatever the cause (a slip, a wrong looked-up role)"""
+    changed_leaves: int = 0
+    """leaves about a person whose role on the line differs from the line before: a model that averages the roles
+    of earlier lines instead of reading the current one errs on these (``leaf_errors`` among them:
+    ``changed_leaf_errors``)"""
+    changed_leaf_errors: int = 0
+    lookup_errors: int = 0
+    """leaf roles (``TraceStyle.leaf_roles``) that are not the line's: the trace read the wrong role off the line"""
     transcribed: int = 0
     """statements restated before the first line (``TraceStyle.transcribe``)"""
     transcription_errors: int = 0
@@ -377,9 +411,12 @@ class TraceAudit:
 _VALUES = {"true": True, "false": False}
 
 
-def _audit_claim(words: list[str], statement: Statement, names, knights, audit: TraceAudit) -> bool | None:
-    """Check a restated claim with its truth values ('Logan knave false and Zoey knight true'); return the value
-    the trace's own leaf values give, or None when the words are not this statement's shape."""
+def _audit_claim(
+    words: list[str], statement: Statement, names, knights, before, style: TraceStyle, audit: TraceAudit
+) -> bool | None:
+    """Check a restated claim with its truth values ('Logan knave false and Zoey knight true', or with
+    ``style.leaf_roles`` 'Logan knave is knight false ...'); return the value the trace's own leaf values give, or
+    None when the words are not this statement's shape."""
     op = statement[0]
     leaves = [statement] if op in LEAVES else list(statement[1:])
     if words[:1] == ["that"]:
@@ -388,21 +425,32 @@ def _audit_claim(words: list[str], statement: Statement, names, knights, audit: 
     if op in ("and", "or", "<=>") and words[:2] != expected_words[:2]:  # restated with the sides swapped
         leaves.reverse()
         expected_words = render_claim((op, *leaves), names).split()
-    # the claim's words with each leaf's truth value removed must be the restated statement
-    values, plain = [], []
-    leaf_ends = []  # positions in `plain` after which a value follows
-    for w in words:
-        if w in _VALUES and plain and plain[-1] in ("knight", "knave"):
+    # the claim's words with each leaf's looked-up role and truth value removed must be the restated statement
+    values, plain, looked = [], [], []
+    words_left = iter(words)
+    for w in words_left:
+        after_leaf = bool(plain) and plain[-1] in ("knight", "knave")
+        if after_leaf and w in style.leaf_roles:
+            looked.append(next(words_left, None))
+        elif after_leaf and w in _VALUES:
             values.append(_VALUES[w])
-            leaf_ends.append(len(plain))
         else:
             plain.append(w)
-    if plain != expected_words or len(values) != len(leaves):
+    if plain != expected_words or len(values) != len(leaves) or len(looked) != (len(leaves) if style.leaf_roles else 0):
         audit.copy_errors += 1
         return None
-    for leaf, value in zip(leaves, values):
+    for k, (leaf, value) in enumerate(zip(leaves, values)):
         audit.decisions += 1
-        audit.slips += value != evaluate(leaf, knights)
+        wrong = value != evaluate(leaf, knights)
+        changed = before is not None and before[leaf[1]] != knights[leaf[1]]  # `before`: the line before
+        audit.leaves, audit.leaf_errors = audit.leaves + 1, audit.leaf_errors + wrong
+        audit.changed_leaves += changed
+        audit.changed_leaf_errors += changed and wrong
+        if style.leaf_roles:  # the value compares the claimed role with the role the trace looked up
+            audit.lookup_errors += looked[k] != role_word(knights[leaf[1]])
+            audit.slips += value != ((looked[k] == "knight") == (leaf[0] == "telling-truth"))
+        else:
+            audit.slips += wrong
     return values[0] if op in LEAVES else _combine(op, values)
 
 
@@ -434,6 +482,7 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = TraceStyle()) -> 
     sentences = [s.split() for s in think.split(" .") if s.strip()]
     order = assignments(puzzle.n_people)
     line: tuple[bool, ...] | None = None
+    before: tuple[bool, ...] | None = None  # the line before the current one
     line_no, passed_line, line_failed = -1, None, False
     first_line = next((i for i, words in enumerate(sentences) if words[0] in style.line_verbs), len(sentences))
     restated: Counter = Counter()
@@ -447,7 +496,7 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = TraceStyle()) -> 
                 pairs = words[2:] if words[1:2] == ["now"] else words[1:]
                 if len(pairs) == 2 * puzzle.n_people + 1 and pairs[-3] == "and":
                     pairs = pairs[:-3] + pairs[-2:]
-                line = tuple(pairs[2 * i + 1] == "knight" for i in range(puzzle.n_people))
+                before, line = line, tuple(pairs[2 * i + 1] == "knight" for i in range(puzzle.n_people))
                 if pairs[0::2] != names or len(pairs) != 2 * puzzle.n_people:
                     audit.copy_errors += 1
                 line_no += 1
@@ -457,13 +506,16 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = TraceStyle()) -> 
                 continue
             if words[:2] == ["none", "left"]:
                 continue
+            if style.restate_line and words[0] == "with":  # the line's roles restated before the check
+                pairs, words = words[1 : 1 + 2 * puzzle.n_people], words[1 + 2 * puzzle.n_people :]
+                audit.copy_errors += pairs != [w for i, k in enumerate(line) for w in (names[i], role_word(k))]
             # a check: SPEAKER VERB claim... CONNECTIVE VALUE SPEAKER ROLE VERDICT
             speaker = index[words[0]]
             claim, connective, value, name2, role, verdict = words[2:-5], *words[-5:]
             if connective not in style.connectives or name2 != words[0] or value not in _VALUES:
                 audit.copy_errors += 1
                 continue
-            own = _audit_claim(claim, puzzle.statements[speaker], names, line, audit)
+            own = _audit_claim(claim, puzzle.statements[speaker], names, line, before, style, audit)
             audit.decisions += 1
             if own is not None:
                 audit.slips += _VALUES[value] != own

@@ -46,9 +46,15 @@ def test_a_two_person_trace_by_hand():
         assert text.endswith("</think><answer>" + p.solution_text_format + "</answer>")
 
 
+LOOKED_UP = TraceStyle(slip=0.0, leaf_roles=("is", "really"), random_check_order=False)
+"""Each leaf's role on the line written before its value ('Logan knave is knight false')"""
+RESTATED = TraceStyle(slip=0.0, leaf_roles=("is",), restate_line=True)
+"""... and the line's roles restated before each check but a line's first"""
+
+
+@pytest.mark.parametrize("style", [TraceStyle(slip=0.0), LOOKED_UP, RESTATED], ids=["plain", "looked_up", "restated"])
 @pytest.mark.parametrize("people", [2, 3, 4, 5])
-def test_without_slips_every_trace_is_right_and_every_decision_checks_out(people):
-    style = TraceStyle(slip=0.0)
+def test_without_slips_every_trace_is_right_and_every_decision_checks_out(people, style):
     for seed in range(60):
         p = generate_puzzle(people, 1000 + seed)
         text = lab_trace(p, random.Random(seed), style)
@@ -56,6 +62,11 @@ def test_without_slips_every_trace_is_right_and_every_decision_checks_out(people
         audit = audit_trace(text, p, style)
         assert audit.parsed and audit.decisions > 0 and audit.transcribed == people and audit.clean
         assert (audit.slips, audit.copy_errors, audit.logic_errors, audit.transcription_errors) == (0, 0, 0, 0)
+        assert audit.lookup_errors == 0
+        stats = lab_trace_with_stats(p, random.Random(seed), style)[1]  # the same trace, with what it wrote
+        looked = sum(w in style.leaf_roles for w in text.partition("</think>")[0].split())  # one per leaf value
+        assert looked == (audit.decisions - stats.checks if style.leaf_roles else 0)
+        assert text.count(" with ") == (stats.checks - stats.lines if style.restate_line else 0)
 
 
 def test_each_check_restates_the_speakers_statement_and_its_true_values():
@@ -140,6 +151,68 @@ def test_the_audit_finds_a_planted_slip_and_a_broken_copy():
     assert miscopied.parsed and miscopied.copy_errors == 1
 
 
+def test_the_audit_tells_a_wrong_looked_up_role_from_a_wrong_comparison():
+    """With leaf roles, a leaf's value compares two written roles. Swap the first looked-up role: a lookup error,
+    and the unchanged value no longer follows from the roles written (a slip). Swap the value instead: a slip and
+    no lookup error. Restate a line wrongly before a check: a copy error."""
+    for seed in range(10):
+        p = generate_puzzle(3, 40 + seed)
+        text = lab_trace(p, random.Random(seed), RESTATED)
+        words = text.split(" ")
+        k = next(i for i, w in enumerate(words) if w in RESTATED.leaf_roles)  # 'is', then the role, then the value
+        looked = list(words)
+        looked[k + 1] = "knave" if words[k + 1] == "knight" else "knight"
+        audit = audit_trace(" ".join(looked), p, RESTATED)
+        assert (audit.lookup_errors, audit.slips, audit.copy_errors) == (1, 1, 0)
+        valued = list(words)
+        valued[k + 2] = "false" if words[k + 2] == "true" else "true"
+        audit = audit_trace(" ".join(valued), p, RESTATED)
+        assert audit.lookup_errors == 0 and audit.slips >= 1 and audit.copy_errors == 0
+    w = next(i for i, word in enumerate(words) if word == "with")
+    words[w + 2] = "knave" if words[w + 2] == "knight" else "knight"  # the first person's role, restated wrong
+    audit = audit_trace(" ".join(words), p, RESTATED)
+    assert audit.copy_errors == 1 and audit.lookup_errors == 0
+
+
+def test_leaf_errors_are_split_by_whether_the_persons_role_changed_since_the_line_before():
+    """2 people: the second line (knight, knave) changes the second person's role only. Flip a leaf value about
+    each person on that line: one leaf error either way, counted as on a changed role only for the second person."""
+    style = TraceStyle(slip=0.0, swap_symmetric=False)
+    met = set()
+    for seed in range(60):
+        p = generate_puzzle(2, 70 + seed)
+        text = lab_trace(p, random.Random(seed), style)
+        words = text.split(" ")
+        starts = [i for i, w in enumerate(words) if w in style.line_verbs and words[i - 1] == "."]
+        if len(starts) < 2:
+            continue
+        end = starts[2] if len(starts) > 2 else len(words)
+        for k in range(starts[1], end):
+            if words[k] in ("true", "false") and words[k - 2] in p.names and words[k - 1] in ("knight", "knave"):
+                person = p.names.index(words[k - 2])
+                flipped = list(words)
+                flipped[k] = "false" if words[k] == "true" else "true"
+                audit = audit_trace(" ".join(flipped), p, style)
+                assert audit.leaf_errors == 1 and audit.changed_leaf_errors == (person == 1)
+                met.add(person)
+        clean = audit_trace(text, p, style)
+        assert clean.leaf_errors == clean.changed_leaf_errors == 0 and clean.changed_leaves <= clean.leaves
+    assert met == {0, 1}
+
+
+def test_slips_with_looked_up_roles_fall_on_the_values_only():
+    style = TraceStyle(slip=0.05, leaf_roles=("is", "really", "actually"), restate_line=True)
+    slips = 0
+    for seed in range(100):
+        p = generate_puzzle(3, 6000 + seed)
+        text, stats = lab_trace_with_stats(p, random.Random(seed), style)
+        audit = audit_trace(text, p, style)
+        assert (audit.slips, audit.lookup_errors, audit.copy_errors, audit.logic_errors) == (stats.slips, 0, 0, 0)
+        assert stats.correct == (score_response(text, p).total == 3)
+        slips += stats.slips
+    assert slips > 0
+
+
 def test_the_audit_reads_the_transcription():
     """The statements restated before the first line: give one speaker another's statement, restate one person twice
     and leave another out, or stop before the first line; each is counted, and the checks are audited as before."""
@@ -172,7 +245,8 @@ def _split_transcription(text: str, style: TraceStyle) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("line_verbs", ()), ("say_verbs", ("says", "says")), ("connectives", ("so then",))]
+    ("field", "value"),
+    [("line_verbs", ()), ("say_verbs", ("says", "says")), ("connectives", ("so then",)), ("leaf_roles", ("is", "is"))],
 )
 def test_bad_styles_are_named(field, value):
     with pytest.raises(ValueError, match=field):
