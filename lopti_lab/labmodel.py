@@ -495,11 +495,16 @@ def audit_greedy(
     counts = ("parsed", "decisions", "slips", "copy_errors", "logic_errors", "lookup_errors", "transcribed")
     counts += ("transcription_errors", "leaves", "leaf_errors", "changed_leaves", "changed_leaf_errors")
     totals = dict.fromkeys(counts, 0)
+    by_line: dict[str, list[int]] = {"leaves_by_line": [], "leaf_errors_by_line": []}
     right: dict[str, list[bool]] = {"all": [], "clean": [], "clean_transcription": []}
     for p, text in zip(chosen, rollout.texts, strict=True):
         audit = audit_trace(text, p, style)
         for key in counts:
             totals[key] += int(getattr(audit, key))
+        for key, per_line in by_line.items():
+            for i, c in enumerate(getattr(audit, key)):
+                per_line.extend([0] * (i + 1 - len(per_line)))
+                per_line[i] += c
         ok = score_response(text, p).total == 3
         right["all"].append(ok)
         if audit.clean:
@@ -510,6 +515,7 @@ def audit_greedy(
         "people": people,
         "traces": len(chosen),
         **totals,
+        **by_line,
         "clean": len(right["clean"]),
         "clean_transcription": len(right["clean_transcription"]),
         **{f"accuracy_{k}": (sum(v) / len(v) if v else None) for k, v in right.items()},

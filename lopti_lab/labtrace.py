@@ -42,7 +42,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 
 from lopti_lab.kk.generate import Puzzle, role_word, solution_text_format
@@ -97,6 +97,9 @@ class TraceStyle:
     """words that bring in the line's role of a leaf's person before the leaf's truth value ('Sebastian knave is
     knight false'): the role is copied from the line, and the value compares two adjacent words. Empty: the value
     follows the claim directly, and the model must look the role up and compare in one token"""
+    leaf_name: bool = False
+    """with ``leaf_roles``, restate the leaf's person before the role looked up ('Sebastian knave is Sebastian knight
+    false'), so that the look-up has the shape of the verdict's ('... Logan knight ok'): a name, then its role"""
     restate_line: bool = False
     """start every check but a line's first with 'with' and the line's roles ('with Logan knight Sebastian knave
     Daniel knight Sebastian says ...'), so that the roles a check looks up are in its own sentence"""
@@ -244,7 +247,7 @@ def _write_claim(out: _Writer, statement: Statement, names, knights) -> bool:
             out.fixed(role)
         if out.style.leaf_roles:
             out.choose(out.style.leaf_roles)
-            out.fixed(role_word(knights[leaf[1]]))
+            out.fixed(f"{name} {role_word(knights[leaf[1]])}" if out.style.leaf_name else role_word(knights[leaf[1]]))
         values.append(out.truth(evaluate(leaf, knights)))
     return values[0] if op in LEAVES else _combine(op, values)
 
@@ -394,6 +397,9 @@ class TraceAudit:
     of earlier lines instead of reading the current one errs on these (``leaf_errors`` among them:
     ``changed_leaf_errors``)"""
     changed_leaf_errors: int = 0
+    leaves_by_line: list[int] = field(default_factory=list)
+    """leaf values read on each line of the search (index 0: the first, all-knights line)"""
+    leaf_errors_by_line: list[int] = field(default_factory=list)
     lookup_errors: int = 0
     """leaf roles (``TraceStyle.leaf_roles``) that are not the line's: the trace read the wrong role off the line"""
     transcribed: int = 0
@@ -431,6 +437,8 @@ def _audit_claim(
     for w in words_left:
         after_leaf = bool(plain) and plain[-1] in ("knight", "knave")
         if after_leaf and w in style.leaf_roles:
+            if style.leaf_name and next(words_left, None) != plain[-2]:  # the leaf's person, restated
+                audit.copy_errors += 1
             looked.append(next(words_left, None))
         elif after_leaf and w in _VALUES:
             values.append(_VALUES[w])
@@ -515,7 +523,13 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = TraceStyle()) -> 
             if connective not in style.connectives or name2 != words[0] or value not in _VALUES:
                 audit.copy_errors += 1
                 continue
+            read_before = (audit.leaves, audit.leaf_errors)
             own = _audit_claim(claim, puzzle.statements[speaker], names, line, before, style, audit)
+            for counts, total, earlier in zip(
+                (audit.leaves_by_line, audit.leaf_errors_by_line), (audit.leaves, audit.leaf_errors), read_before
+            ):
+                counts.extend([0] * (line_no + 1 - len(counts)))
+                counts[line_no] += total - earlier
             audit.decisions += 1
             if own is not None:
                 audit.slips += _VALUES[value] != own

@@ -48,11 +48,15 @@ def test_a_two_person_trace_by_hand():
 
 LOOKED_UP = TraceStyle(slip=0.0, leaf_roles=("is", "really"), random_check_order=False)
 """Each leaf's role on the line written before its value ('Logan knave is knight false')"""
+NAMED = TraceStyle(slip=0.0, leaf_roles=("is", "really"), leaf_name=True)
+"""... with the leaf's person restated before the role ('Logan knave is Logan knight false')"""
 RESTATED = TraceStyle(slip=0.0, leaf_roles=("is",), restate_line=True)
 """... and the line's roles restated before each check but a line's first"""
 
 
-@pytest.mark.parametrize("style", [TraceStyle(slip=0.0), LOOKED_UP, RESTATED], ids=["plain", "looked_up", "restated"])
+@pytest.mark.parametrize(
+    "style", [TraceStyle(slip=0.0), LOOKED_UP, NAMED, RESTATED], ids=["plain", "looked_up", "named", "restated"]
+)
 @pytest.mark.parametrize("people", [2, 3, 4, 5])
 def test_without_slips_every_trace_is_right_and_every_decision_checks_out(people, style):
     for seed in range(60):
@@ -194,9 +198,12 @@ def test_leaf_errors_are_split_by_whether_the_persons_role_changed_since_the_lin
                 flipped[k] = "false" if words[k] == "true" else "true"
                 audit = audit_trace(" ".join(flipped), p, style)
                 assert audit.leaf_errors == 1 and audit.changed_leaf_errors == (person == 1)
+                assert audit.leaf_errors_by_line[1] == sum(audit.leaf_errors_by_line) == 1  # on the second line
                 met.add(person)
         clean = audit_trace(text, p, style)
-        assert clean.leaf_errors == clean.changed_leaf_errors == 0 and clean.changed_leaves <= clean.leaves
+        assert clean.leaf_errors == clean.changed_leaf_errors == sum(clean.leaf_errors_by_line) == 0
+        assert clean.changed_leaves <= clean.leaves == sum(clean.leaves_by_line)
+        assert len(clean.leaves_by_line) == len(starts)  # every line checks at least one statement
     assert met == {0, 1}
 
 
