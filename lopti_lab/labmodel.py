@@ -486,7 +486,7 @@ def audit_greedy(
     transcription errors) and ``clean_transcription`` (every statement restated right), and the accuracy overall
     and on each of those two subsets (``None`` when a subset is empty)."""
     from lopti_lab.kk import score_response
-    from lopti_lab.labtrace import audit_trace
+    from lopti_lab.labtrace import add_at, audit_trace
     from lopti_lab.rollout import sample
 
     chosen = load_split("test", people, limit=size)
@@ -503,8 +503,7 @@ def audit_greedy(
             totals[key] += int(getattr(audit, key))
         for key, per_line in by_line.items():
             for i, c in enumerate(getattr(audit, key)):
-                per_line.extend([0] * (i + 1 - len(per_line)))
-                per_line[i] += c
+                add_at(per_line, i, c)
         ok = score_response(text, p).total == 3
         right["all"].append(ok)
         if audit.clean:

@@ -417,6 +417,12 @@ class TraceAudit:
 _VALUES = {"true": True, "false": False}
 
 
+def add_at(counts: list[int], i: int, n: int) -> None:
+    """``counts[i] += n``, growing ``counts`` with zeros as far as needed (per-line tallies)."""
+    counts.extend([0] * (i + 1 - len(counts)))
+    counts[i] += n
+
+
 def _audit_claim(
     words: list[str], statement: Statement, names, knights, before, style: TraceStyle, audit: TraceAudit
 ) -> bool | None:
@@ -523,13 +529,10 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = TraceStyle()) -> 
             if connective not in style.connectives or name2 != words[0] or value not in _VALUES:
                 audit.copy_errors += 1
                 continue
-            read_before = (audit.leaves, audit.leaf_errors)
+            leaves, leaf_errors = audit.leaves, audit.leaf_errors
             own = _audit_claim(claim, puzzle.statements[speaker], names, line, before, style, audit)
-            for counts, total, earlier in zip(
-                (audit.leaves_by_line, audit.leaf_errors_by_line), (audit.leaves, audit.leaf_errors), read_before
-            ):
-                counts.extend([0] * (line_no + 1 - len(counts)))
-                counts[line_no] += total - earlier
+            add_at(audit.leaves_by_line, line_no, audit.leaves - leaves)
+            add_at(audit.leaf_errors_by_line, line_no, audit.leaf_errors - leaf_errors)
             audit.decisions += 1
             if own is not None:
                 audit.slips += _VALUES[value] != own
