@@ -112,7 +112,8 @@ def main() -> None:
     start = time.perf_counter()
     summary = labmodel.pretrain(config, out)
     model, tokenizer = labmodel.load_lab_model(out)
-    profile = labmodel.rollout_profile(model, tokenizer, people=3, temperature=args.temperature)
+    style = labmodel.lab_prompt_style(config.trace)
+    profile = labmodel.rollout_profile(model, tokenizer, people=3, temperature=args.temperature, prompt_style=style)
     audit = [labmodel.audit_greedy(model, tokenizer, config.trace, n) for n in args.people]
     result = {
         "name": args.name,

@@ -160,6 +160,8 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
             ("out of range: slip", {"slip": 0.7}),
             ("repeated words", {"passes": ("ok", "ok")}),
             ("two-word leaf role", {"leaf_roles": ("in fact",)}),
+            ("inconsistent: coded lines restated", {"coded": True, "restate_line": True}),
+            ("inconsistent: numbered quiz without codes", {"numbered_quiz": True}),
         ],
         "length_buckets": [("out of range", 0)],
         "max_new_tokens": [("out of range", 0)],

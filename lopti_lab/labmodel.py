@@ -28,6 +28,7 @@ from pathlib import Path
 from lopti_lab.checks import FieldCheck, is_int, is_real
 from lopti_lab.kk import NAMES, Puzzle, build_prompt, generate_puzzle, instruct_prompt
 from lopti_lab.kk.data import load_split, puzzle_seed, split_files
+from lopti_lab.kk.reward import numbered_quiz
 from lopti_lab.labtrace import TraceStyle, lab_trace
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -42,6 +43,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 LAB_PROMPT_STYLE = "chat_quiz"
+
+
+def lab_prompt_style(trace: TraceStyle | None) -> str:
+    """The prompt style a lab model of this trace style reads: the quiz alone, its people numbered for a trace
+    with ``numbered_quiz``."""
+    return "chat_quiz_numbered" if trace is not None and trace.numbered_quiz else LAB_PROMPT_STYLE
+
+
 TOKENIZER_VOCAB = 1024
 RL_TRACE = TraceStyle(slip=0.03)
 """The trace style of the RL-ready lab model under study (issue 11; ``benchmarks/lab_model_probe.py``): labtrace's
@@ -74,6 +83,7 @@ def tokenizer_corpus(n_puzzles: int = 3000, seed: int = 0, style: TraceStyle | N
         p = generate_puzzle(2 + i % 7, puzzle_seed(seed, "tokenizer", 2 + i % 7, i))
         trace = lab_response(p, random.Random(i), style) if style is None or p.n_people <= 5 else ""
         texts += [instruct_prompt(p), p.quiz, trace, " ".join(p.cot_repeat_steps), p.solution_text]
+        texts += [numbered_quiz(p)] if style is not None and style.numbered_quiz else []
     texts += [f'"{n} is a knight," {n} said. {n}\'s {n}' for n in NAMES]
     return texts
 
@@ -260,7 +270,7 @@ def encode_example(
     tokenizer, puzzle: Puzzle, rng: random.Random | None = None, style: TraceStyle | None = None
 ) -> tuple[list[int], int]:
     """Token ids of prompt + target response + <|im_end|>, and the prompt length (the loss starts after it)."""
-    prompt = tokenizer(build_prompt(puzzle, LAB_PROMPT_STYLE, tokenizer), add_special_tokens=False)["input_ids"]
+    prompt = tokenizer(build_prompt(puzzle, lab_prompt_style(style), tokenizer), add_special_tokens=False)["input_ids"]
     response = tokenizer(lab_response(puzzle, rng, style), add_special_tokens=False)["input_ids"]
     return prompt + response + [tokenizer.eos_token_id], len(prompt)
 
@@ -386,7 +396,7 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
                     model,
                     tokenizer,
                     test,
-                    prompt_style=LAB_PROMPT_STYLE,
+                    prompt_style=lab_prompt_style(config.trace),
                     max_new_tokens=config.max_new_tokens,
                     modes=("greedy",),
                     prefix="test",
@@ -399,7 +409,13 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
     bar.close()
     model.eval()
     final = evaluate_warm_start(
-        model, tokenizer, config.final_people, config.final_samples, config.final_size, config.max_new_tokens
+        model,
+        tokenizer,
+        config.final_people,
+        config.final_samples,
+        config.final_size,
+        config.max_new_tokens,
+        prompt_style=lab_prompt_style(config.trace),
     )
     summary = {
         "config": asdict(config),
@@ -422,9 +438,11 @@ def evaluate_warm_start(
     samples: int = 4,
     size: int | None = None,
     max_new_tokens: int = 256,
+    prompt_style: str = LAB_PROMPT_STYLE,
 ) -> dict:
     """Test accuracy of a lab model on the whole test split of each people count: greedy, and ``samples``
-    completions per puzzle at temperature 1.0 (keys ``test/{greedy,sample}/acc_{n}ppl``, ``.../format_error_rate``)."""
+    completions per puzzle at temperature 1.0 (keys ``test/{greedy,sample}/acc_{n}ppl``, ``.../format_error_rate``);
+    ``prompt_style``: the one the model was trained on (``lab_prompt_style`` of its trace)."""
     from lopti_lab.trainer import evaluate
 
     test = load_split("test", list(people), limit=size)
@@ -432,7 +450,7 @@ def evaluate_warm_start(
         model,
         tokenizer,
         test,
-        prompt_style=LAB_PROMPT_STYLE,
+        prompt_style=prompt_style,
         max_new_tokens=max_new_tokens,
         samples=samples,
         prefix="test",
@@ -449,6 +467,7 @@ def rollout_profile(
     max_new_tokens: int = 896,
     bins: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
     seed: int = 0,
+    prompt_style: str = LAB_PROMPT_STYLE,
 ) -> dict:
     """The token-probability profile of the model's own GRPO-style rollouts (the paper's Fig. 1a): ``puzzles``
     training puzzles x ``group_size`` samples at ``temperature``; the share of response tokens whose sampling
@@ -462,7 +481,7 @@ def rollout_profile(
     from lopti_lab.trainer import score_rollout
 
     chosen = load_split("train", people, limit=puzzles)
-    prompts = [build_prompt(p, LAB_PROMPT_STYLE, tokenizer) for p in chosen]
+    prompts = [build_prompt(p, prompt_style, tokenizer) for p in chosen]
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         rollout = sample(model, tokenizer, prompts, group_size, max_new_tokens=max_new_tokens, temperature=temperature)
@@ -490,10 +509,11 @@ def audit_greedy(
     from lopti_lab.rollout import sample
 
     chosen = load_split("test", people, limit=size)
-    prompts = [build_prompt(p, LAB_PROMPT_STYLE, tokenizer) for p in chosen]
+    prompts = [build_prompt(p, lab_prompt_style(style), tokenizer) for p in chosen]
     rollout = sample(model, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens)
     counts = ("parsed", "decisions", "slips", "copy_errors", "logic_errors", "lookup_errors", "transcribed")
     counts += ("transcription_errors", "leaves", "leaf_errors", "changed_leaves", "changed_leaf_errors")
+    counts += ("number_errors", "code_reads", "code_misreads")
     totals = dict.fromkeys(counts, 0)
     by_line: dict[str, list[int]] = {"leaves_by_line": [], "leaf_errors_by_line": []}
     right: dict[str, list[bool]] = {"all": [], "clean": [], "clean_transcription": []}

@@ -137,3 +137,20 @@ def test_score_never_raises_and_returns_one_of_four_totals(jack, text):
 def test_non_string_completion_is_a_type_error(jack):
     with pytest.raises(TypeError, match="completion must be a str"):
         score(None, jack)
+
+
+def test_the_numbered_quiz_follows_every_name_with_its_number_and_changes_nothing_else(records):
+    """On the real K&K records: every occurrence of a name gains ' <its place in the list of inhabitants>', and
+    taking those numbers out again gives the quiz back word for word."""
+    import re
+
+    from lopti_lab.kk.reward import numbered_quiz
+
+    for record in records[::7]:
+        p = Puzzle.from_record(record)
+        text = numbered_quiz(p)
+        for i, name in enumerate(p.names):
+            plain = len(re.findall(rf"\b{re.escape(name)}\b", p.quiz))
+            assert plain > 0 and len(re.findall(rf"\b{re.escape(name)} {i + 1}\b", text)) == plain
+        pattern = r"\b(" + "|".join(re.escape(n) for n in p.names) + r") \d\b"
+        assert re.sub(pattern, lambda m: m[1], text) == p.quiz

@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -70,6 +71,24 @@ def test_chat_template_gives_the_lab_prompt(lab_tokenizer):
     assert prompt == f"<|im_start|>user\n{p.quiz}<|im_end|>\n<|im_start|>assistant\n<think>"
     with_system = build_prompt(p, "chat", lab_tokenizer)
     assert with_system.startswith("<|im_start|>system\nYou are a helpful assistant.")
+
+
+def test_a_numbered_trace_trains_on_the_numbered_quiz(lab_tokenizer):
+    """A coded trace with ``numbered_quiz`` is paired with the prompt whose names carry their numbers; every other
+    trace style with the plain quiz."""
+    from lopti_lab.kk.reward import numbered_quiz
+    from lopti_lab.labmodel import lab_prompt_style
+    from lopti_lab.labtrace import TraceStyle
+
+    p = generate_puzzle(3, 4)
+    numbered = TraceStyle(coded=True, numbered_quiz=True)
+    assert [lab_prompt_style(s) for s in (None, TraceStyle(coded=True), numbered)] == [LAB_PROMPT_STYLE] * 2 + [
+        "chat_quiz_numbered"
+    ]
+    full, n_prompt = encode_example(lab_tokenizer, p, random.Random(0), numbered)
+    prompt = lab_tokenizer.decode(full[:n_prompt])
+    assert prompt == f"<|im_start|>user\n{numbered_quiz(p)}<|im_end|>\n<|im_start|>assistant\n<think>"
+    assert numbered_quiz(p) != p.quiz
 
 
 def test_examples_put_the_loss_on_the_response_only(lab_tokenizer):

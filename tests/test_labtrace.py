@@ -52,10 +52,14 @@ NAMED = TraceStyle(slip=0.0, leaf_roles=("is", "really"), leaf_name=True)
 """... with the leaf's person restated before the role ('Logan knave is Logan knight false')"""
 RESTATED = TraceStyle(slip=0.0, leaf_roles=("is",), restate_line=True)
 """... and the line's roles restated before each check but a line's first"""
+CODED = TraceStyle(slip=0.0, leaf_roles=("is", "really"), coded=True)
+"""People numbered after a roster, each line one code word ('Try KNK .'), restated after every check's speaker"""
 
 
 @pytest.mark.parametrize(
-    "style", [TraceStyle(slip=0.0), LOOKED_UP, NAMED, RESTATED], ids=["plain", "looked_up", "named", "restated"]
+    "style",
+    [TraceStyle(slip=0.0), LOOKED_UP, NAMED, RESTATED, CODED],
+    ids=["plain", "looked_up", "named", "restated", "coded"],
 )
 @pytest.mark.parametrize("people", [2, 3, 4, 5])
 def test_without_slips_every_trace_is_right_and_every_decision_checks_out(people, style):
@@ -263,3 +267,92 @@ def test_bad_styles_are_named(field, value):
 def test_bad_slip_is_named():
     with pytest.raises(ValueError, match="slip"):
         TraceStyle(slip=0.5)
+
+
+def test_a_coded_trace_numbers_every_name_and_carries_the_line_code_into_each_check():
+    """The roster gives each person the number of their place in the quiz; after it every name is followed by that
+    number, and every check's speaker by the line's code word, which spells the line's roles in the people's order."""
+    from lopti_lab.labtrace import line_code
+
+    assert line_code((True, False, True)) == "KNK"
+    for seed in range(30):
+        p = generate_puzzle(3, 2000 + seed)
+        text, stats = lab_trace_with_stats(p, random.Random(seed), CODED)
+        sentences = [s.split() for s in text.partition("</think>")[0].split(" .") if s.strip()]
+        assert sentences[0] == [w for i, n in enumerate(p.names) for w in (n, str(i + 1))]
+        words = [w for s in sentences[1:] for w in s]
+        for i, w in enumerate(words):
+            if w in p.names:
+                assert words[i + 1] == str(p.names.index(w) + 1)
+        lines = [s for s in sentences if s[0] in CODED.line_verbs]
+        codes = [s[-1] for s in lines]
+        assert codes == [line_code(k) for k in assignments(3)[: stats.lines]]
+        checks = [s for s in sentences[1 + 3 :] if s[0] in p.names]
+        assert len(checks) == stats.checks
+        line_of_check = []  # the code of the line each check belongs to, in order
+        for s in sentences[1 + 3 :]:
+            if s[0] in CODED.line_verbs:
+                current = s[-1]
+            else:
+                line_of_check.append(current)
+        assert [c[2] for c in checks] == line_of_check
+
+
+def test_the_audit_of_a_coded_trace_counts_a_wrong_number_and_a_wrong_code():
+    p = generate_puzzle(3, 7)
+    text = lab_trace(p, random.Random(7), CODED)
+    think, _, answer = text.partition("</think>")
+    words = think.split()
+    # a wrong number on a leaf inside a check, a wrong code on a check, a wrong number in the roster
+    first_check = next(i for i, w in enumerate(words) if w in ("KKK",) and words[i - 1] == "1" and i > 20)
+    leaf = next(i for i in range(first_check + 2, len(words)) if words[i] in p.names)
+    clean = audit_trace(text, p, CODED)
+    assert clean.code_reads == clean.leaves and (clean.number_errors, clean.code_misreads) == (0, 0)
+    for k, (where, new) in enumerate([(leaf + 1, "9"), (first_check, "KNN"), (1, "2")]):
+        broken = list(words)
+        broken[where] = new
+        audit = audit_trace(" " + " ".join(broken) + "</think>" + answer, p, CODED)
+        assert audit.parsed
+        if k < 2:
+            assert (audit.copy_errors, audit.transcription_errors) == (1, 0)
+        else:
+            assert (audit.copy_errors, audit.transcription_errors) == (0, 1)
+        assert audit.number_errors == (k == 0)  # the roster's own numbers are not counted here
+        # no code has a 9th role (one misread); under the code KNN the roles read off KKK misread persons 2 and 3
+        end = words.index(".", first_check)
+        changed = sum(words[j] in ("2", "3") and words[j + 2] in CODED.leaf_roles for j in range(first_check, end))
+        assert audit.code_misreads == {0: 1, 1: changed, 2: 0}[k] and (k != 1 or changed > 0)
+        assert audit.lookup_errors == 0
+
+
+def test_a_right_read_at_a_wrong_number_is_a_lookup_error_and_not_a_misread():
+    """A leaf numbered as the wrong person, whose looked-up role is that person's on the check's code: the read
+    of the code is right (no misread), the role is not the leaf's person's (a lookup error) when the two differ."""
+    from lopti_lab.labtrace import line_code
+
+    met = 0
+    for seed in range(40):
+        p = generate_puzzle(2, 3000 + seed)
+        text = lab_trace(p, random.Random(seed), CODED)
+        think, _, answer = text.partition("</think>")
+        words = think.split()
+        for i in range(len(words) - 4):
+            if words[i] in p.names and words[i + 3] in CODED.leaf_roles and i > 10:
+                code = next(words[j] for j in range(i, 0, -1) if words[j] in [line_code(k) for k in assignments(2)])
+                other = 2 if words[i + 1] == "1" else 1
+                if code[0] == code[1]:  # both read the same: nothing to tell apart on this line
+                    continue
+                broken = list(words)
+                broken[i + 1] = str(other)
+                broken[i + 4] = "knight" if code[other - 1] == "K" else "knave"
+                audit = audit_trace(" " + " ".join(broken) + "</think>" + answer, p, CODED)
+                assert (audit.number_errors, audit.code_misreads, audit.lookup_errors) == (1, 0, 1)
+                met += 1
+                break
+    assert met >= 5
+
+
+def test_coded_lines_reject_the_options_they_replace():
+    for bad in ("leaf_name", "restate_line"):
+        with pytest.raises(ValueError, match=f"TraceStyle.{bad}"):
+            TraceStyle(leaf_roles=("is",), coded=True, **{bad: True})

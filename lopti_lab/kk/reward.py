@@ -61,7 +61,7 @@ BASE_INSTRUCTION = (
     "answer, one per line, for example <answer> (1) Zoey is a knight\n(2) Oliver is a knave </answer>."
 )
 RESPONSE_PREFIX = "<think>"
-PROMPT_STYLES = ("instruct", "base", "chat", "chat_quiz")
+PROMPT_STYLES = ("instruct", "base", "chat", "chat_quiz", "chat_quiz_numbered")
 
 
 def instruct_prompt(puzzle: Puzzle) -> str:
@@ -78,26 +78,40 @@ def base_prompt(puzzle: Puzzle) -> str:
     return f"{BASE_INSTRUCTION}\n\nUser: {puzzle.quiz}\nAssistant: {RESPONSE_PREFIX}"
 
 
-def chat_messages(puzzle: Puzzle, system: bool = True) -> list[dict[str, str]]:
-    """The same request as messages for ``tokenizer.apply_chat_template`` (system prompt, if asked, + quiz)."""
+def numbered_quiz(puzzle: Puzzle) -> str:
+    """The quiz with every name followed by the person's number, their place in the quiz's list of inhabitants
+    (for the lab model's coded traces, which name people by number: ``labtrace.TraceStyle.numbered_quiz``).
+
+    >>> from lopti_lab.kk.generate import generate_puzzle
+    >>> numbered_quiz(generate_puzzle(2, 0)).count(" 1")  # doctest: +SKIP
+    3
+    """
+    pattern = re.compile(r"\b(" + "|".join(re.escape(n) for n in puzzle.names) + r")\b")
+    return pattern.sub(lambda m: f"{m[0]} {puzzle.names.index(m[0]) + 1}", puzzle.quiz)
+
+
+def chat_messages(puzzle: Puzzle, system: bool = True, numbered: bool = False) -> list[dict[str, str]]:
+    """The same request as messages for ``tokenizer.apply_chat_template`` (system prompt, if asked, + quiz; with
+    ``numbered`` the quiz names each person with their number, ``numbered_quiz``)."""
     messages = [{"role": "system", "content": LOGIC_RL_SYSTEM.rstrip("\n")}] if system else []
-    return [*messages, {"role": "user", "content": puzzle.quiz}]
+    return [*messages, {"role": "user", "content": numbered_quiz(puzzle) if numbered else puzzle.quiz}]
 
 
 def build_prompt(puzzle: Puzzle, style: str = "instruct", tokenizer=None) -> str:
     """The prompt text in one of PROMPT_STYLES; every style ends with "<think>", so a response starts inside it.
 
     "chat" renders ``chat_messages`` with the tokenizer's own chat template (and its generation prompt);
-    "chat_quiz" does the same without the system prompt (the quiz alone: short prompts for the tiny lab model).
+    "chat_quiz" does the same without the system prompt (the quiz alone: short prompts for the tiny lab model);
+    "chat_quiz_numbered" with every name in the quiz followed by the person's number (``numbered_quiz``).
     """
     if style == "instruct":
         return instruct_prompt(puzzle)
     if style == "base":
         return base_prompt(puzzle)
-    if style in ("chat", "chat_quiz"):
+    if style in ("chat", "chat_quiz", "chat_quiz_numbered"):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"prompt style {style!r} needs a tokenizer with a chat_template")
-        messages = chat_messages(puzzle, system=style == "chat")
+        messages = chat_messages(puzzle, system=style == "chat", numbered=style == "chat_quiz_numbered")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return text + RESPONSE_PREFIX
     raise ValueError(f"prompt style must be one of {PROMPT_STYLES}, got {style!r}")

@@ -1,0 +1,165 @@
+"""The lab trace's knobs (``TraceStyle``), the search order, and the compact words a trace uses for statements,
+people and lines."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import product
+
+from lopti_lab.kk.generate import role_word
+from lopti_lab.kk.logic import LEAVES, Statement
+
+
+@dataclass(frozen=True)
+class TraceStyle:
+    """How a lab trace is worded and how often it slips. Each synonym set is drawn uniformly, one token each."""
+
+    line_verbs: tuple[str, ...] = ("Suppose", "Try", "Assume", "Say", "Take", "Consider")
+    """opening word of each assignment line (p = 1/6 each when the model has learned the set)"""
+    say_verbs: tuple[str, ...] = ("says", "claims", "states", "said", "thinks")
+    """word after the speaker of a check"""
+    connectives: tuple[str, ...] = ("so", "thus", "hence", "then", "therefore")
+    """word before the statement's truth value"""
+    passes: tuple[str, ...] = ("ok", "fine")
+    """verdict words of a check that passes (the statement's value agrees with the speaker's role)"""
+    fails: tuple[str, ...] = ("no", "fails")
+    """verdict words of a check that fails: the line ends there"""
+    random_check_order: bool = True
+    """check a line's statements in a random order (False: in the quiz's order)"""
+    slip: float = 0.0
+    """probability that a written truth value (leaf or statement) is the wrong one; the search continues from it"""
+    transcribe: bool = True
+    """first restate every statement of the quiz in the compact words ('Logan says Sebastian knave and Daniel
+    knight .'), so that each check copies its statement from a line of one shape"""
+    shuffle_transcription: bool = True
+    """transcribe the statements in a random order (False: the quiz's)"""
+    swap_symmetric: bool = True
+    """restate an 'and' / 'or' / 'iff' claim with its two sides in a random order (they commute)"""
+    say_that: float = 0.5
+    """probability of an optional 'that' after the speaker's verb ('Daniel says that ...')"""
+    line_now: float = 0.5
+    """probability of an optional 'now' after the verb of every line but the first ('Try now Logan knight ...')"""
+    line_and: float = 0.5
+    """probability of an optional 'and' before the last person of a line ('... Sebastian knave and Daniel knight .')"""
+    leaf_roles: tuple[str, ...] = ()
+    """words that bring in the line's role of a leaf's person before the leaf's truth value ('Sebastian knave is
+    knight false'): the role is copied from the line, and the value compares two adjacent words. Empty: the value
+    follows the claim directly, and the model must look the role up and compare in one token"""
+    leaf_name: bool = False
+    """with ``leaf_roles``, restate the leaf's person before the role looked up ('Sebastian knave is Sebastian knight
+    false'), so that the look-up has the shape of the verdict's ('... Logan knight ok'): a name, then its role"""
+    restate_line: bool = False
+    """start every check but a line's first with 'with' and the line's roles ('with Logan knight Sebastian knave
+    Daniel knight Sebastian says ...'), so that the roles a check looks up are in its own sentence"""
+    coded: bool = False
+    """number the people and write each line as one code word: a roster first ('Logan 1 Sebastian 2 Daniel 3 .'),
+    every name after it followed by its number, a line as the roles in the people's order, K for knight and N for
+    knave ('Suppose KKN .'), and the line's code again after every check's speaker ('Logan 1 KKN says ...'). A
+    role is then read off the check's own code word at the person's number, two fixed words, instead of off the
+    latest line by the person's name"""
+    numbered_quiz: bool = False
+    """with ``coded``, the prompt's quiz numbers the people as well ('Logan 1 told you that Sebastian 2 is a
+    knave', prompt style "chat_quiz_numbered"): each number is then copied from the quiz with its name, and no
+    look-up by name is left in the trace"""
+
+    def __post_init__(self):
+        for name in ("line_verbs", "say_verbs", "connectives", "passes", "fails", "leaf_roles"):
+            words = getattr(self, name)
+            if (
+                (name != "leaf_roles" and not words)
+                or any(not w or " " in w for w in words)
+                or len(set(words)) != len(words)
+            ):
+                raise ValueError(f"TraceStyle.{name} must be distinct single words, got {words!r}")
+        if not 0.0 <= self.slip < 0.5:
+            raise ValueError(f"TraceStyle.slip must be in [0, 0.5), got {self.slip!r}")
+        if self.coded and (self.leaf_name or self.restate_line):
+            bad = "leaf_name" if self.leaf_name else "restate_line"
+            raise ValueError(f"TraceStyle.{bad} has no use with coded lines (every check carries its line's code)")
+        if self.numbered_quiz and not self.coded:
+            raise ValueError("TraceStyle.numbered_quiz needs coded=True (only coded traces name people by number)")
+        for name in ("say_that", "line_now", "line_and"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"TraceStyle.{name} must be a probability in [0, 1], got {getattr(self, name)!r}")
+
+
+PLAIN = TraceStyle()
+"""The default style (every option off, no slips)."""
+
+
+def render_claim(statement: Statement, names: Sequence[str], numbered: bool = False) -> str:
+    """The compact words of a statement, as a check restates it (without the truth values a check adds); with
+    ``numbered`` each name is followed by the person's number (``TraceStyle.coded``).
+
+    >>> render_claim(('->', ('lying', 0), ('telling-truth', 1)), ['Zoey', 'Oliver'])
+    'if Zoey knave then Oliver knight'
+    >>> render_claim(('->', ('lying', 0), ('telling-truth', 1)), ['Zoey', 'Oliver'], numbered=True)
+    'if Zoey 1 knave then Oliver 2 knight'
+    """
+    op = statement[0]
+    if op in LEAVES:
+        return _leaf_words(statement, names, numbered)
+    return _join(op, [_leaf_words(leaf, names, numbered) for leaf in statement[1:]])
+
+
+def _leaf_words(leaf: Statement, names: Sequence[str], numbered: bool = False) -> str:
+    return f"{person(names, leaf[1], numbered)} {role_word(leaf[0] == 'telling-truth')}"
+
+
+def person(names: Sequence[str], i: int, numbered: bool) -> str:
+    """How a trace names person ``i``: 'Logan', or with numbers 'Logan 1'."""
+    return f"{names[i]} {i + 1}" if numbered else names[i]
+
+
+def line_code(knights: Sequence[bool]) -> str:
+    """A line as one word (``TraceStyle.coded``): the roles in the people's order, K knight, N knave.
+
+    >>> line_code((True, True, False))
+    'KKN'
+    """
+    return "".join("K" if k else "N" for k in knights)
+
+
+def _join(op: str, parts: Sequence[str]) -> str:
+    """Operator words around the rendered leaves: 'not A', 'if A then B', 'A and B', 'A or B', 'A iff B'."""
+    if op == "not":
+        return f"not {parts[0]}"
+    if op == "->":
+        return f"if {parts[0]} then {parts[1]}"
+    return {"and": " and ", "or": " or ", "<=>": " iff "}[op].join(parts)
+
+
+def combine(op: str, values: Sequence[bool]) -> bool:
+    """The operator applied to the truth values the trace wrote for its leaves (not to the true ones)."""
+    if op == "not":
+        return not values[0]
+    if op == "and":
+        return all(values)
+    if op == "or":
+        return any(values)
+    if op == "->":
+        return (not values[0]) or values[1]
+    if op == "<=>":
+        return values[0] == values[1]
+    raise ValueError(f"unknown operator {op!r}")
+
+
+def assignments(n_people: int) -> list[tuple[bool, ...]]:
+    """The search order: all knights first, then binary counting with knave = 1, the last person flipping fastest.
+
+    >>> assignments(2)
+    [(True, True), (True, False), (False, True), (False, False)]
+    """
+    return [tuple(not bit for bit in bits) for bits in product((False, True), repeat=n_people)]
+
+
+def trace_vocabulary(style: TraceStyle = PLAIN) -> list[str]:
+    """Every word a trace can use besides names (the tokenizer must keep each as one token)."""
+    fixed = ["knight", "knave", "true", "false", "not", "if", "then", "and", "or", "iff", "that", "now", "none", "left"]
+    fixed += ["with"] if style.restate_line else []
+    if style.coded:  # numbers, and the codes of lines up to 4 people (longer ones may split into pieces)
+        fixed += [str(i) for i in range(1, 9)]
+        fixed += [line_code(k) for n in range(2, 5) for k in assignments(n)]
+    words = [*style.line_verbs, *style.say_verbs, *style.connectives, *style.passes, *style.fails, *style.leaf_roles]
+    return [*words, *fixed]
