@@ -274,12 +274,16 @@ class DemoConfig:
         except ValueError as err:
             raise rename_owner(err, "TrainConfig", "DemoConfig", [f.name for f in fields(self)]) from None
 
+    def prompt_style(self) -> str:
+        """The prompt style of the lab model under study (a numbered quiz for a coded trace that asks for one)."""
+        return labmodel.prompt_style_of(self.model)
+
     def train_config(self, method: str, seed: int, run_dir: Path) -> TrainConfig:
         """The TrainConfig of one run: every method shares everything but its own switches."""
         return TrainConfig(
             model=self.model,
             lora_r=None,
-            prompt_style=labmodel.LAB_PROMPT_STYLE,
+            prompt_style=self.prompt_style(),
             train_people=self.train_people,
             eval_people=self.eval_people,
             prompts_per_step=self.prompts_per_step,
@@ -325,6 +329,7 @@ def run_demo(config: DemoConfig) -> Path:
         tokenizer,
         load_split("train", config.train_people, limit=4 if config.quick else 16),
         config.group_size,
+        prompt_style=config.prompt_style(),
         temperature=config.temperature,
         max_new_tokens=config.max_new_tokens,
         fast_path=config.fast_path,
@@ -367,7 +372,7 @@ def warm_start_eval(config: DemoConfig, model, tokenizer) -> dict[str, float]:
         "eval_size": config.eval_size,
         "eval_samples": config.eval_samples,
         "max_new_tokens": config.max_new_tokens,
-        "prompt_style": labmodel.LAB_PROMPT_STYLE,
+        "prompt_style": config.prompt_style(),
         "seed": 0,
     }
     cache_file, key = None, None

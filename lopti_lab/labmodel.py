@@ -445,6 +445,17 @@ def lab_model_dir() -> Path:
     return data_dir() / "lab_model"
 
 
+def prompt_style_of(model: str) -> str:
+    """The prompt style a lab model reads: "lab" (the bundled one) or a lab model folder, from the trace style in
+    its lab_model.json (``lab_prompt_style``); any other model, or a folder without one, reads ``LAB_PROMPT_STYLE``."""
+    folder = lab_model_dir() if model == "lab" else Path(model)
+    summary = folder / "lab_model.json"
+    if not summary.is_file():
+        return LAB_PROMPT_STYLE
+    trace = json.loads(summary.read_text()).get("config", {}).get("trace")
+    return lab_prompt_style(PretrainConfig(trace=trace).trace)  # the JSON dict, read as the pretrain reads it
+
+
 def load_lab_model(path: str | Path | None = None, device: str = "cpu", dtype=None):
     """The bundled lab model and its tokenizer, offline (local files only)."""
     import torch

@@ -1,5 +1,6 @@
 """The frozen-batch counterfactual against a hand-made update, the attribution tables, and the lab demo."""
 
+import json
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -245,3 +246,17 @@ def test_accuracy_table_carries_each_runs_standard_error(tmp_path):
     run = frame.set_index("model").loc["+ GRPO"]
     assert run["3ppl_se"] == 0.04 and abs(run["avg_se"] - (0.03**2 + 0.04**2) ** 0.5 / 2) < 1e-12
     assert frame.set_index("model").loc["Lab model (warm start)", ["2ppl_se", "avg_se"]].isna().all()
+
+
+def test_the_demo_prompts_a_lab_model_folder_in_the_style_its_trace_was_trained_on(tmp_path):
+    """A lab model folder whose trace numbers the quiz gets numbered prompts in every run; the bundled model (a
+    compact trace) and a folder without lab_model.json the plain quiz."""
+    folder = tmp_path / "coded"
+    folder.mkdir()
+    trace = {"coded": True, "numbered_quiz": True, "leaf_roles": ["is", "really"]}
+    (folder / "lab_model.json").write_text(json.dumps({"config": {"trace": trace}}))
+    numbered = experiments.DemoConfig(model=str(folder), out=str(tmp_path / "demo"))
+    assert numbered.train_config(list(experiments.METHODS)[-1], 0, tmp_path / "r").prompt_style == "chat_quiz_numbered"
+    plain = experiments.DemoConfig(out=str(tmp_path / "demo"))
+    assert plain.train_config("GRPO", 0, tmp_path / "r").prompt_style == "chat_quiz"
+    assert experiments.DemoConfig(model=str(tmp_path), out=str(tmp_path / "demo")).prompt_style() == "chat_quiz"
