@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 
 from lopti_lab.kk.generate import Puzzle, role_word, solution_text_format
 from lopti_lab.kk.logic import LEAVES, Statement, evaluate
-from lopti_lab.labtrace.style import PLAIN, TraceStyle, assignments, combine, line_code, person, render_claim
+from lopti_lab.labtrace.style import (
+    PLAIN,
+    TraceStyle,
+    assignments,
+    code_roles,
+    combine,
+    line_code,
+    person,
+    render_claim,
+)
 
 
 @dataclass
@@ -137,24 +146,24 @@ def _audit_code_reads(words: list[str], index: dict[str, int], style: TraceStyle
         if words[i] in index and words[i + 1].isdigit() and words[i + 3] in style.leaf_roles:
             n = int(words[i + 1])
             audit.code_reads += 1
-            audit.code_misreads += not (1 <= n <= len(code) and words[i + 4] == role_word(code[n - 1] == "K"))
+            audit.code_misreads += not (1 <= n <= len(code) and words[i + 4] == code_roles(code)[n - 1])
 
 
 def _audit_transcription(
-    words: list[str], puzzle: Puzzle, style: TraceStyle, restated: Counter, audit: TraceAudit
+    words: list[str], puzzle: Puzzle, index: dict[str, int], style: TraceStyle, restated: Counter, audit: TraceAudit
 ) -> None:
     """One restated statement before the first line: 'SPEAKER VERB claim' with the claim in compact words (coded:
     every name followed by its number)."""
     audit.transcribed += 1
     wrong_numbers = 0
     if style.coded:
-        words, wrong_numbers = _unnumber(words, {n: i for i, n in enumerate(puzzle.names)})
+        words, wrong_numbers = _unnumber(words, index)
         audit.number_errors += wrong_numbers
     if words[0] not in puzzle.names or len(words) < 3 or words[1] not in style.say_verbs:
         audit.transcription_errors += 1
         return
     restated[words[0]] += 1
-    claim = render_claim(puzzle.statements[puzzle.names.index(words[0])], puzzle.names)
+    claim = render_claim(puzzle.statements[index[words[0]]], puzzle.names)
     audit.transcription_errors += " ".join(words[2:]) != claim or wrong_numbers > 0
 
 
@@ -182,7 +191,7 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
         audit.transcription_errors += not sentences or sentences[0] != roster
         sentences, first_line = sentences[1:], max(first_line - 1, 0)
     for words in sentences[:first_line]:  # the transcription
-        _audit_transcription(words, puzzle, style, restated, audit)
+        _audit_transcription(words, puzzle, index, style, restated, audit)
     if style.transcribe:  # every person restated once
         audit.transcription_errors += sum(restated[n] != 1 for n in names)
     try:
@@ -191,7 +200,7 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
                 code = words[2:] if words[1:2] == ["now"] else words[1:]
                 if len(code) != 1 or len(code[0]) != puzzle.n_people or set(code[0]) - {"K", "N"}:
                     raise ValueError(f"not a line code: {code}")
-                pairs = [w for i, c in enumerate(code[0]) for w in (names[i], role_word(c == "K"))]
+                pairs = [w for name, role in zip(names, code_roles(code[0])) for w in (name, role)]
             elif words[0] in style.line_verbs:  # a new assignment line
                 pairs = words[2:] if words[1:2] == ["now"] else words[1:]
             if words[0] in style.line_verbs:

@@ -121,6 +121,15 @@ def line_code(knights: Sequence[bool]) -> str:
     return "".join("K" if k else "N" for k in knights)
 
 
+def code_roles(code: str) -> list[str]:
+    """The role words a line code spells, in the people's order (``line_code`` read back).
+
+    >>> code_roles('KKN')
+    ['knight', 'knight', 'knave']
+    """
+    return [role_word(c == "K") for c in code]
+
+
 def _join(op: str, parts: Sequence[str]) -> str:
     """Operator words around the rendered leaves: 'not A', 'if A then B', 'A and B', 'A or B', 'A iff B'."""
     if op == "not":
