@@ -162,6 +162,8 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
             ("two-word leaf role", {"leaf_roles": ("in fact",)}),
             ("inconsistent: coded lines restated", {"coded": True, "restate_line": True}),
             ("inconsistent: numbered quiz without codes", {"numbered_quiz": True}),
+            ("inconsistent: bare quiz without numbers", {"coded": True, "bare_quiz": True}),
+            ("inconsistent: numbers only without codes", {"numbers_only": True}),
         ],
         "length_buckets": [("out of range", 0)],
         "max_new_tokens": [("out of range", 0)],

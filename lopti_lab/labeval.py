@@ -16,8 +16,10 @@ LAB_PROMPT_STYLE = "chat_quiz"
 
 def lab_prompt_style(trace: TraceStyle | None) -> str:
     """The prompt style a lab model of this trace style reads: the quiz alone, its people numbered for a trace
-    with ``numbered_quiz``."""
-    return "chat_quiz_numbered" if trace is not None and trace.numbered_quiz else LAB_PROMPT_STYLE
+    with ``numbered_quiz``, without the sentences every quiz shares with ``bare_quiz`` as well."""
+    if trace is None or not trace.numbered_quiz:
+        return LAB_PROMPT_STYLE
+    return "chat_quiz_numbered_bare" if trace.bare_quiz else "chat_quiz_numbered"
 
 
 def evaluate_warm_start(
@@ -102,7 +104,7 @@ def audit_greedy(
     rollout = sample(model, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens)
     counts = ("parsed", "decisions", "slips", "copy_errors", "logic_errors", "lookup_errors", "transcribed")
     counts += ("transcription_errors", "leaves", "leaf_errors", "changed_leaves", "changed_leaf_errors")
-    counts += ("number_errors", "code_reads", "code_misreads")
+    counts += ("number_errors", "code_reads", "code_misreads", "verdict_errors", "line_errors", "answer_errors")
     totals = dict.fromkeys(counts, 0)
     by_line: dict[str, list[int]] = {"leaves_by_line": [], "leaf_errors_by_line": []}
     right: dict[str, list[bool]] = {"all": [], "clean": [], "clean_transcription": []}

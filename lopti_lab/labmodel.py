@@ -29,7 +29,7 @@ from pathlib import Path
 from lopti_lab.checks import FieldCheck, is_int, is_real
 from lopti_lab.kk import NAMES, Puzzle, build_prompt, generate_puzzle, instruct_prompt
 from lopti_lab.kk.data import load_split, puzzle_seed, split_files
-from lopti_lab.kk.reward import numbered_quiz
+from lopti_lab.kk.reward import bare_quiz, numbered_quiz
 from lopti_lab.labeval import (  # noqa: F401  (re-exported: labmodel.audit_greedy etc. stay where they were)
     LAB_PROMPT_STYLE,
     audit_greedy,
@@ -83,6 +83,7 @@ def tokenizer_corpus(n_puzzles: int = 3000, seed: int = 0, style: TraceStyle | N
         trace = lab_response(p, random.Random(i), style) if style is None or p.n_people <= 5 else ""
         texts += [instruct_prompt(p), p.quiz, trace, " ".join(p.cot_repeat_steps), p.solution_text]
         texts += [numbered_quiz(p)] if style is not None and style.numbered_quiz else []
+        texts += [bare_quiz(numbered_quiz(p))] if style is not None and style.bare_quiz else []
     texts += [f'"{n} is a knight," {n} said. {n}\'s {n}' for n in NAMES]
     return texts
 

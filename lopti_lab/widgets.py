@@ -28,6 +28,7 @@ import pandas as pd
 from IPython.display import display
 
 from lopti_lab import plots
+from lopti_lab.labmodel import prompt_style_of
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the notebooks' first cell
@@ -45,7 +46,8 @@ class Environment:
     lora_r: int | None
     """LoRA rank for hub models; None (full fine-tuning) for the tiny lab model."""
     prompt_style: str
-    """"instruct" (the Logic-RL prompt) for Qwen, "chat_quiz" (the quiz alone) for the lab model."""
+    """"instruct" (the Logic-RL prompt) for Qwen; for the lab model the prompt its traces were trained on
+    (``labmodel.prompt_style_of``: "chat_quiz", the quiz alone, for the bundled one)."""
     quick: bool
 
     def _repr_markdown_(self) -> str:
@@ -71,7 +73,7 @@ def setup(quick: bool = False, model: str | None = None, device: str | None = No
         device=device,
         model=model,
         lora_r=None if lab else 16,
-        prompt_style="chat_quiz" if lab else "instruct",
+        prompt_style=prompt_style_of("lab") if lab else "instruct",
         quick=quick,
     )
 

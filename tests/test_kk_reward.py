@@ -154,3 +154,20 @@ def test_the_numbered_quiz_follows_every_name_with_its_number_and_changes_nothin
             assert plain > 0 and len(re.findall(rf"\b{re.escape(name)} {i + 1}\b", text)) == plain
         pattern = r"\b(" + "|".join(re.escape(n) for n in p.names) + r") \d\b"
         assert re.sub(pattern, lambda m: m[1], text) == p.quiz
+
+
+def test_the_bare_quiz_keeps_the_inhabitants_and_statements_and_drops_only_the_shared_sentences(records):
+    """On the real K&K records: the bare quiz is the quiz less its rules and closing question, word for word, it
+    opens with the inhabitants and ends with the last statement; a text that is not a K&K quiz is refused."""
+    from lopti_lab.kk.generate import CLOSING, RULES
+    from lopti_lab.kk.reward import bare_quiz, numbered_quiz
+
+    for record in records[::7]:
+        p = Puzzle.from_record(record)
+        for quiz in (p.quiz, numbered_quiz(p)):
+            bare = bare_quiz(quiz)
+            assert f"{RULES}{bare} {CLOSING}" == quiz
+            assert bare.startswith(f"You meet {p.n_people} inhabitants: ") and "knights and knaves" not in bare
+            assert "So who is" not in bare and bare.endswith((".", '"'))
+    with pytest.raises(ValueError, match="not a K&K quiz"):
+        bare_quiz("You meet 2 inhabitants: Zoey, and Oliver.")

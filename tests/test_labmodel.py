@@ -74,9 +74,9 @@ def test_chat_template_gives_the_lab_prompt(lab_tokenizer):
 
 
 def test_a_numbered_trace_trains_on_the_numbered_quiz(lab_tokenizer):
-    """A coded trace with ``numbered_quiz`` is paired with the prompt whose names carry their numbers; every other
-    trace style with the plain quiz."""
-    from lopti_lab.kk.reward import numbered_quiz
+    """A coded trace with ``numbered_quiz`` is paired with the prompt whose names carry their numbers (with
+    ``bare_quiz``, without the sentences every quiz shares); every other trace style with the plain quiz."""
+    from lopti_lab.kk.reward import bare_quiz, numbered_quiz
     from lopti_lab.labmodel import lab_prompt_style
     from lopti_lab.labtrace import TraceStyle
 
@@ -89,6 +89,12 @@ def test_a_numbered_trace_trains_on_the_numbered_quiz(lab_tokenizer):
     prompt = lab_tokenizer.decode(full[:n_prompt])
     assert prompt == f"<|im_start|>user\n{numbered_quiz(p)}<|im_end|>\n<|im_start|>assistant\n<think>"
     assert numbered_quiz(p) != p.quiz
+    bare = TraceStyle(coded=True, numbered_quiz=True, bare_quiz=True)
+    assert lab_prompt_style(bare) == "chat_quiz_numbered_bare"
+    full, n_prompt = encode_example(lab_tokenizer, p, random.Random(0), bare)
+    prompt = lab_tokenizer.decode(full[:n_prompt])
+    assert prompt == f"<|im_start|>user\n{bare_quiz(numbered_quiz(p))}<|im_end|>\n<|im_start|>assistant\n<think>"
+    assert n_prompt < len(lab_tokenizer(build_prompt(p, "chat_quiz_numbered", lab_tokenizer))["input_ids"]) - 25
 
 
 def test_examples_put_the_loss_on_the_response_only(lab_tokenizer):

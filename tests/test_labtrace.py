@@ -356,3 +356,73 @@ def test_coded_lines_reject_the_options_they_replace():
     for bad in ("leaf_name", "restate_line"):
         with pytest.raises(ValueError, match=f"TraceStyle.{bad}"):
             TraceStyle(leaf_roles=("is",), coded=True, **{bad: True})
+
+
+def test_a_numbers_only_trace_is_the_coded_trace_with_every_name_after_the_roster_left_out():
+    """Same seed, same choices: the numbers-only trace is the coded one less each name after the roster (the roster
+    and the answer keep them); each number in it names its person, and the audit reads it clean for 2-5 people."""
+    from dataclasses import replace
+
+    bare = replace(CODED, numbers_only=True)
+    for seed in range(20):
+        p = generate_puzzle(2 + seed % 4, 4000 + seed)
+        coded, numbers = lab_trace(p, random.Random(seed), CODED), lab_trace(p, random.Random(seed), bare)
+        think, _, answer = coded.partition("</think>")
+        roster = think.split(" .")[0]
+        rest = [w for w in think[len(roster) :].split() if w not in p.names]
+        assert numbers == roster + " " + " ".join(rest) + "</think>" + answer
+        audit = audit_trace(numbers, p, bare)
+        assert audit.clean and audit.parsed and audit.code_reads == audit.leaves and audit.code_misreads == 0
+
+
+def test_the_audit_of_a_numbers_only_trace_counts_a_wrong_number_as_a_copy_of_the_wrong_person():
+    from dataclasses import replace
+
+    bare = replace(CODED, numbers_only=True)
+    p = generate_puzzle(3, 11)
+    text = lab_trace(p, random.Random(3), bare)
+    think, _, answer = text.partition("</think>")
+    words = think.split()
+    first_line = next(i for i, w in enumerate(words) if w in bare.line_verbs)
+    after_verb, numbers = (*bare.say_verbs, "that"), ("1", "2", "3")
+    statement = next(i for i in range(first_line + 3, len(words)) if words[i] in numbers and words[i - 1] in after_verb)
+    for where, what in [(statement, "check"), (7, "transcription")]:  # a check's first leaf; a transcribed speaker
+        broken = list(words)
+        broken[where] = {"1": "2", "2": "3", "3": "1"}[words[where]]
+        audit = audit_trace(" " + " ".join(broken) + "</think>" + answer, p, bare)
+        assert audit.parsed and not audit.clean and audit.number_errors == 0
+        assert (audit.copy_errors > 0) == (what == "check") and (audit.transcription_errors > 0) == (what != "check")
+    with pytest.raises(ValueError, match="numbers_only needs coded"):
+        TraceStyle(numbers_only=True)
+
+
+def test_the_audit_splits_logic_errors_into_verdicts_lines_and_answers():
+    """A wrong verdict, a line out of the search order and a wrong answer, each planted once in a clean trace, are
+    each counted once in their own field, and ``logic_errors`` is their sum."""
+    from dataclasses import replace
+
+    from lopti_lab.labtrace import line_code
+
+    style = replace(CODED, numbers_only=True)
+    p = next(q for q in (generate_puzzle(3, 5000 + s) for s in range(50)) if q.solution.count(False) >= 1)
+    text = lab_trace(p, random.Random(0), style)
+    think, _, answer = text.partition("</think>")
+    words = think.split()
+    codes = [line_code(k) for k in assignments(3)]
+    lines = [i for i, w in enumerate(words) if w in codes and words[i - 1] in (*style.line_verbs, "now")]
+    last_verdict = max(i for i, w in enumerate(words) if w in style.passes)
+    assert len(lines) >= 2 and last_verdict > lines[-1]
+    knave = next(i for i, k in enumerate(p.solution) if not k)
+    planted = {
+        "verdict_errors": (last_verdict, style.fails[0], answer),
+        "line_errors": (lines[1], codes[-1] if words[lines[1]] != codes[-1] else codes[-2], answer),
+        "answer_errors": (None, None, answer.replace(f"{p.names[knave]} is a knave", f"{p.names[knave]} is a knight")),
+    }
+    for field, (where, new, new_answer) in planted.items():
+        broken = list(words)
+        if where is not None:
+            broken[where] = new
+        audit = audit_trace(" " + " ".join(broken) + "</think>" + new_answer, p, style)
+        counts = {f: getattr(audit, f) for f in planted}
+        assert audit.parsed and counts == {f: int(f == field) for f in planted}, (field, counts)
+        assert audit.logic_errors == 1

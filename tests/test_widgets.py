@@ -1,5 +1,6 @@
 """The notebook panels, driven without a browser: set controls, press buttons, read configs, outputs and run folders."""
 
+import json
 import time
 
 import numpy as np
@@ -40,8 +41,12 @@ def base(model_dir, monkeypatch):
 
 
 def test_setup_picks_the_lab_model_on_cpu():
+    from lopti_lab.labmodel import LAB_PROMPT_STYLE, lab_model_dir, prompt_style_of
+
     env = widgets.setup(quick=True)
-    assert (env.model, env.lora_r, env.prompt_style, env.device) == ("lab", None, "chat_quiz", "cpu")
+    assert (env.model, env.lora_r, env.prompt_style, env.device) == ("lab", None, prompt_style_of("lab"), "cpu")
+    trace = json.loads((lab_model_dir() / "lab_model.json").read_text())["config"].get("trace")
+    assert trace is not None or env.prompt_style == LAB_PROMPT_STYLE == "chat_quiz"  # the prompt the model learned
     assert widgets.setup(model="Qwen/Qwen2.5-0.5B-Instruct").lora_r == 16
     assert "lab" in env._repr_markdown_()
 

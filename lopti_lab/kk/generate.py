@@ -64,6 +64,8 @@ OPENING = (
     "lie. You meet {n} inhabitants: {names}."
 )
 CLOSING = "So who is a knight and who is a knave?"
+RULES = OPENING[: OPENING.index("You meet")]
+"""The island's rules, the opening's sentences before the inhabitants (the same in every quiz)."""
 COT_HEAD = "Let's think step by step, by considering whether each person is lying and if that leads to contradiction."
 COT_FOOT = "This leads to a feasible solution."
 KNIGHT_KNAVE = {

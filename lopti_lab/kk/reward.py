@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from lopti_lab.kk.generate import Puzzle
+from lopti_lab.kk.generate import CLOSING, RULES, Puzzle
 
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 FORMAT_REWARD, FORMAT_PENALTY = 1.0, -1.0
@@ -61,7 +61,7 @@ BASE_INSTRUCTION = (
     "answer, one per line, for example <answer> (1) Zoey is a knight\n(2) Oliver is a knave </answer>."
 )
 RESPONSE_PREFIX = "<think>"
-PROMPT_STYLES = ("instruct", "base", "chat", "chat_quiz", "chat_quiz_numbered")
+PROMPT_STYLES = ("instruct", "base", "chat", "chat_quiz", "chat_quiz_numbered", "chat_quiz_numbered_bare")
 
 
 def instruct_prompt(puzzle: Puzzle) -> str:
@@ -90,11 +90,28 @@ def numbered_quiz(puzzle: Puzzle) -> str:
     return pattern.sub(lambda m: f"{m[0]} {puzzle.names.index(m[0]) + 1}", puzzle.quiz)
 
 
-def chat_messages(puzzle: Puzzle, system: bool = True, numbered: bool = False) -> list[dict[str, str]]:
+def bare_quiz(quiz: str) -> str:
+    """The quiz without the sentences that every puzzle shares (the island's rules before "You meet ..." and the
+    closing question): the inhabitants and their statements (the lab model's 3-person prompts: 74 tokens, not 108).
+
+    >>> from lopti_lab.kk.generate import generate_puzzle
+    >>> bare_quiz(generate_puzzle(2, 0).quiz).startswith("You meet 2 inhabitants: ")
+    True
+    """
+    if not (quiz.startswith(RULES) and quiz.endswith(" " + CLOSING)):
+        raise ValueError(f"not a K&K quiz (it must open with {RULES!r} and close with {CLOSING!r}): {quiz[:80]!r}")
+    return quiz[len(RULES) : -len(CLOSING) - 1]
+
+
+def chat_messages(
+    puzzle: Puzzle, system: bool = True, numbered: bool = False, bare: bool = False
+) -> list[dict[str, str]]:
     """The same request as messages for ``tokenizer.apply_chat_template`` (system prompt, if asked, + quiz; with
-    ``numbered`` the quiz names each person with their number, ``numbered_quiz``)."""
+    ``numbered`` the quiz names each person with their number, ``numbered_quiz``; with ``bare`` only the inhabitants
+    and their statements, ``bare_quiz``)."""
     messages = [{"role": "system", "content": LOGIC_RL_SYSTEM.rstrip("\n")}] if system else []
-    return [*messages, {"role": "user", "content": numbered_quiz(puzzle) if numbered else puzzle.quiz}]
+    quiz = numbered_quiz(puzzle) if numbered else puzzle.quiz
+    return [*messages, {"role": "user", "content": bare_quiz(quiz) if bare else quiz}]
 
 
 def build_prompt(puzzle: Puzzle, style: str = "instruct", tokenizer=None) -> str:
@@ -102,16 +119,18 @@ def build_prompt(puzzle: Puzzle, style: str = "instruct", tokenizer=None) -> str
 
     "chat" renders ``chat_messages`` with the tokenizer's own chat template (and its generation prompt);
     "chat_quiz" does the same without the system prompt (the quiz alone: short prompts for the tiny lab model);
-    "chat_quiz_numbered" with every name in the quiz followed by the person's number (``numbered_quiz``).
+    "chat_quiz_numbered" with every name in the quiz followed by the person's number (``numbered_quiz``);
+    "chat_quiz_numbered_bare" that quiz without the sentences every puzzle shares (``bare_quiz``).
     """
     if style == "instruct":
         return instruct_prompt(puzzle)
     if style == "base":
         return base_prompt(puzzle)
-    if style in ("chat", "chat_quiz", "chat_quiz_numbered"):
+    if style in ("chat", "chat_quiz", "chat_quiz_numbered", "chat_quiz_numbered_bare"):
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"prompt style {style!r} needs a tokenizer with a chat_template")
-        messages = chat_messages(puzzle, system=style == "chat", numbered=style == "chat_quiz_numbered")
+        numbered, bare = style.startswith("chat_quiz_numbered"), style.endswith("_bare")
+        messages = chat_messages(puzzle, system=style == "chat", numbered=numbered, bare=bare)
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return text + RESPONSE_PREFIX
     raise ValueError(f"prompt style must be one of {PROMPT_STYLES}, got {style!r}")

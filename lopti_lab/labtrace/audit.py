@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lopti_lab.kk.generate import Puzzle, role_word, solution_text_format
@@ -35,7 +36,13 @@ class TraceAudit:
     copy_errors: int = 0
     """restated statements or roles that do not match the quiz or the line"""
     logic_errors: int = 0
-    """verdicts, next lines or answers that do not follow from what was written"""
+    """verdicts, next lines or answers that do not follow from what was written: the sum of the next three"""
+    verdict_errors: int = 0
+    """verdicts that do not follow from the statement's written value and the speaker's role on the line"""
+    line_errors: int = 0
+    """lines that are not the search order's next assignment, or that follow a line whose checks all passed"""
+    answer_errors: int = 0
+    """answers that are not the line whose checks all passed"""
     leaves: int = 0
     """leaf truth values read (a part of ``decisions``)"""
     leaf_errors: int = 0
@@ -138,6 +145,15 @@ def _unnumber(words: list[str], index: dict[str, int]) -> tuple[list[str], int]:
     return plain, wrong
 
 
+def _named(words: list[str], names: Sequence[str]) -> list[str]:
+    """A sentence of a ``numbers_only`` trace with each person's number preceded by their name ('1 KKN says 2 knave'
+    -> 'Logan 1 KKN says Sebastian 2 knave'); a number that names no one stays as it is (the audit counts it)."""
+    out: list[str] = []
+    for w in words:
+        out += [names[int(w) - 1], w] if w.isdigit() and 1 <= int(w) <= len(names) else [w]
+    return out
+
+
 def _audit_code_reads(words: list[str], index: dict[str, int], style: TraceStyle, audit: TraceAudit) -> None:
     """In a coded check 'SPEAKER N CODE VERB ... NAME N ROLE LEAF_WORD LOOKED VALUE ...': each looked-up role
     against the role the check's own code gives at the number written before it."""
@@ -190,6 +206,8 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
         roster = " ".join(person(names, i, True) for i in range(puzzle.n_people)).split()
         audit.transcription_errors += not sentences or sentences[0] != roster
         sentences, first_line = sentences[1:], max(first_line - 1, 0)
+        if style.numbers_only:  # read every number as the person it names, then audit as a numbered trace
+            sentences = [_named(words, names) for words in sentences]
     for words in sentences[:first_line]:  # the transcription
         _audit_transcription(words, puzzle, index, style, restated, audit)
     if style.transcribe:  # every person restated once
@@ -211,7 +229,7 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
                     audit.copy_errors += 1
                 line_no += 1
                 if line_no >= len(order) or line != order[line_no] or (line_no > 0 and not line_failed):
-                    audit.logic_errors += 1
+                    audit.logic_errors, audit.line_errors = audit.logic_errors + 1, audit.line_errors + 1
                 line_failed, passed_line = False, line
                 continue
             if words[:2] == ["none", "left"]:
@@ -242,12 +260,12 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
                 audit.copy_errors += 1
             ok = _VALUES[value] == (role == "knight")
             if verdict not in (style.passes if ok else style.fails):
-                audit.logic_errors += 1
+                audit.logic_errors, audit.verdict_errors = audit.logic_errors + 1, audit.verdict_errors + 1
             if verdict in style.fails:
                 line_failed, passed_line = True, None
     except (KeyError, IndexError, TypeError, ValueError):
         audit.parsed = False
         return audit
     if passed_line is not None and solution_text_format(names, passed_line) not in answer:
-        audit.logic_errors += 1
+        audit.logic_errors, audit.answer_errors = audit.logic_errors + 1, audit.answer_errors + 1
     return audit

@@ -62,6 +62,14 @@ class TraceStyle:
     """with ``coded``, the prompt's quiz numbers the people as well ('Logan 1 told you that Sebastian 2 is a
     knave', prompt style "chat_quiz_numbered"): each number is then copied from the quiz with its name, and no
     look-up by name is left in the trace"""
+    numbers_only: bool = False
+    """with ``coded``, a person after the roster is their number alone ('1 KKN says 1 knight is knight true or 2
+    knave ...'): the trace then copies numbers and never has to match a name to its number (the answer still names
+    everyone); about 15% fewer response tokens at 3 people"""
+    bare_quiz: bool = False
+    """with ``numbered_quiz``, the prompt's quiz without the sentences every puzzle shares (the island's rules and the
+    closing question; prompt style "chat_quiz_numbered_bare"): 74 prompt tokens instead of 108 at 3 people, and no
+    'and' of the rules for the copy of an 'and' statement to confuse"""
 
     def __post_init__(self):
         for name in ("line_verbs", "say_verbs", "connectives", "passes", "fails", "leaf_roles"):
@@ -79,6 +87,10 @@ class TraceStyle:
             raise ValueError(f"TraceStyle.{bad} has no use with coded lines (every check carries its line's code)")
         if self.numbered_quiz and not self.coded:
             raise ValueError("TraceStyle.numbered_quiz needs coded=True (only coded traces name people by number)")
+        if self.numbers_only and not self.coded:
+            raise ValueError("TraceStyle.numbers_only needs coded=True (only coded traces number the people)")
+        if self.bare_quiz and not self.numbered_quiz:
+            raise ValueError("TraceStyle.bare_quiz needs numbered_quiz=True (the bare quiz is the numbered one)")
         for name in ("say_that", "line_now", "line_and"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"TraceStyle.{name} must be a probability in [0, 1], got {getattr(self, name)!r}")

@@ -35,6 +35,7 @@ class _Writer:
         self.words: list[tuple[str, float]] = []
         self.stats = TraceStats()
         self.carry = 1.0  # the probability of having left out an optional word just before
+        self.numbered = style.coded and not style.numbers_only  # a name followed by its number after the roster
 
     def fixed(self, text: str) -> None:
         for i, w in enumerate(text.split()):
@@ -75,7 +76,8 @@ class _Writer:
 
 def _write_claim(out: _Writer, statement: Statement, names, knights) -> bool:
     """The restated statement with a truth value after each leaf; returns the statement's value computed from the
-    values written (so a slip on a leaf carries into the statement)."""
+    values written (so a slip on a leaf carries into the statement). ``names``: how the trace names each person
+    (their numbers with ``numbers_only``)."""
     op = statement[0]
     leaves = [statement] if op in LEAVES else list(statement[1:])
     if op in ("and", "or", "<=>") and out.style.swap_symmetric and out.rng.random() < 0.5:
@@ -93,12 +95,12 @@ def _write_claim(out: _Writer, statement: Statement, names, knights) -> bool:
             # the coin shows at the first word where the two orders differ: the name, or (same name) the role
             same_name = leaves[0][1] == leaves[1][1]
             out.pick(name, 1.0 if same_name else 0.5)
-            if out.style.coded:
+            if out.numbered:
                 out.fixed(str(leaf[1] + 1))
             out.pick(role, 0.5 if same_name else 1.0)
         else:
             out.pick(name, 1.0)
-            out.fixed(f"{leaf[1] + 1} {role}" if out.style.coded else role)
+            out.fixed(f"{leaf[1] + 1} {role}" if out.numbered else role)
         if out.style.leaf_roles:
             out.choose(out.style.leaf_roles)
             out.fixed(f"{name} {role_word(knights[leaf[1]])}" if out.style.leaf_name else role_word(knights[leaf[1]]))
@@ -106,18 +108,18 @@ def _write_claim(out: _Writer, statement: Statement, names, knights) -> bool:
     return values[0] if op in LEAVES else combine(op, values)
 
 
-def _write_check(out: _Writer, speaker: int, puzzle: Puzzle, knights) -> bool:
+def _write_check(out: _Writer, speaker: int, puzzle: Puzzle, knights, names: Sequence[str]) -> bool:
     """One check after the speaker's name: '<verb> <claim with values> <connective> <value> <speaker> <role> ok|no .'
     and whether it passed. The statement's value is written (and may slip) after the connective; the verdict compares
     it with the speaker's role on the current line: a knight's statement must be true, a knave's false."""
-    style, names = out.style, puzzle.names
+    style = out.style
     out.choose(style.say_verbs)
     out.maybe("that", style.say_that)
     value = _write_claim(out, puzzle.statements[speaker], names, knights)
     out.choose(style.connectives)
     value = out.truth(value)
     passed = value == knights[speaker]
-    out.fixed(f"{person(names, speaker, style.coded)} {role_word(knights[speaker])}")
+    out.fixed(f"{person(names, speaker, out.numbered)} {role_word(knights[speaker])}")
     out.choose(style.passes if passed else style.fails)
     out.fixed(".")
     out.stats.checks += 1
@@ -129,16 +131,17 @@ def _write_trace(puzzle: Puzzle, rng: random.Random, style: TraceStyle) -> _Writ
     names, n = puzzle.names, puzzle.n_people
     if style.coded:  # the roster: who has which number
         out.fixed(" ".join(person(names, i, True) for i in range(n)) + " .")
+    who = [str(i + 1) for i in range(n)] if style.numbers_only else names  # a person after the roster
     if style.transcribe:
         order = list(range(n))
         if style.shuffle_transcription:
             rng.shuffle(order)
         for k, i in enumerate(order):
-            out.pick(names[i], 1.0 / (n - k) if style.shuffle_transcription else 1.0)
-            if style.coded:
+            out.pick(who[i], 1.0 / (n - k) if style.shuffle_transcription else 1.0)
+            if out.numbered:
                 out.fixed(str(i + 1))
             out.choose(style.say_verbs)
-            out.fixed(f"{render_claim(puzzle.statements[i], names, style.coded)} .")
+            out.fixed(f"{render_claim(puzzle.statements[i], who, out.numbered)} .")
     found: tuple[bool, ...] | None = None
     for knights in assignments(n):
         out.stats.lines += 1
@@ -159,13 +162,13 @@ def _write_trace(puzzle: Puzzle, rng: random.Random, style: TraceStyle) -> _Writ
                 out.fixed("with " + " ".join(f"{names[i]} {role_word(k)}" for i, k in enumerate(knights)))
             if style.random_check_order:
                 speaker = left.pop(rng.randrange(len(left)))
-                out.pick(names[speaker], 1.0 / (len(left) + 1))
+                out.pick(who[speaker], 1.0 / (len(left) + 1))
             else:
                 speaker = left.pop(0)
-                out.fixed(names[speaker])
+                out.fixed(who[speaker])
             if style.coded:
-                out.fixed(f"{speaker + 1} {line_code(knights)}")
-            passed = _write_check(out, speaker, puzzle, knights)
+                out.fixed(f"{speaker + 1} {line_code(knights)}" if out.numbered else line_code(knights))
+            passed = _write_check(out, speaker, puzzle, knights, who)
         if passed:
             found = knights
             break
