@@ -164,6 +164,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
             ("inconsistent: numbered quiz without codes", {"numbered_quiz": True}),
             ("inconsistent: bare quiz without numbers", {"coded": True, "bare_quiz": True}),
             ("inconsistent: numbers only without codes", {"numbers_only": True}),
+            ("inconsistent: answer roster without codes", {"answer_roster": True}),
         ],
         "length_buckets": [("out of range", 0)],
         "max_new_tokens": [("out of range", 0)],

@@ -426,3 +426,24 @@ def test_the_audit_splits_logic_errors_into_verdicts_lines_and_answers():
         counts = {f: getattr(audit, f) for f in planted}
         assert audit.parsed and counts == {f: int(f == field) for f in planted}, (field, counts)
         assert audit.logic_errors == 1
+
+
+def test_an_answer_roster_numbers_the_people_as_the_answer_does():
+    """With ``answer_roster`` the roster reads '(1) Logan (2) Sebastian ...', the rest of the trace is unchanged, the
+    answer's name after each '(k)' is the roster's, and a roster with two names swapped is a transcription error."""
+    from dataclasses import replace
+
+    plain, style = replace(CODED, numbers_only=True), replace(CODED, numbers_only=True, answer_roster=True)
+    for seed in range(12):
+        p = generate_puzzle(2 + seed % 3, 6000 + seed)
+        text, before = lab_trace(p, random.Random(seed), style), lab_trace(p, random.Random(seed), plain)
+        first, _, rest = text.partition(" .")
+        assert first == " " + " ".join(f"({i + 1}) {n}" for i, n in enumerate(p.names))
+        assert rest == before.partition(" .")[2]
+        answer = text.partition("<answer>")[2]
+        assert [line.split()[1] for line in answer.split("\n")] == [first.split()[2 * i + 1] for i in range(p.n_people)]
+        assert audit_trace(text, p, style).clean
+        swapped = text.replace(f"(1) {p.names[0]} (2) {p.names[1]}", f"(1) {p.names[1]} (2) {p.names[0]}", 1)
+        assert audit_trace(swapped, p, style).transcription_errors == 1
+    with pytest.raises(ValueError, match="answer_roster needs coded"):
+        TraceStyle(answer_roster=True)

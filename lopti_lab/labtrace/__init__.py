@@ -33,8 +33,9 @@ token), and ``restate_line`` repeats the line's roles before each check but a li
 people and writes each line as one word ('Try KNK .', restated after every check's speaker), so that a role is read
 by a fixed number off a word in the same sentence instead of by a name off the latest of many lines. With
 ``numbered_quiz`` the prompt numbers the people too, and with ``numbers_only`` a person after the roster is their
-number alone ('1 KNK says 2 knave ...'), so no name is ever matched to its number; ``bare_quiz`` drops the quiz's
-shared sentences from the prompt.
+number alone ('1 KNK says 2 knave ...'), so no name is ever matched to its number; ``answer_roster`` writes the
+roster as the answer numbers the people ('(1) Logan (2) Sebastian .'); ``bare_quiz`` drops the quiz's shared
+sentences from the prompt.
 
 ``lab_trace(puzzle, rng)`` returns the response that follows the prompt's ``<think>``; ``TraceStyle`` holds the
 knobs. Worked example: ``lab_trace(p, random.Random(0), TraceStyle(slip=0.0))`` for a 2-person puzzle whose

@@ -15,8 +15,8 @@ from lopti_lab.labtrace.style import (
     code_roles,
     combine,
     line_code,
-    person,
     render_claim,
+    roster,
 )
 
 
@@ -203,8 +203,8 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
     first_line = next((i for i, words in enumerate(sentences) if words[0] in style.line_verbs), len(sentences))
     restated: Counter = Counter()
     if style.coded:  # the roster, then the transcription
-        roster = " ".join(person(names, i, True) for i in range(puzzle.n_people)).split()
-        audit.transcription_errors += not sentences or sentences[0] != roster
+        first = roster(names, style).split()[:-1]  # the sentence without its '.'
+        audit.transcription_errors += not sentences or sentences[0] != first
         sentences, first_line = sentences[1:], max(first_line - 1, 0)
         if style.numbers_only:  # read every number as the person it names, then audit as a numbered trace
             sentences = [_named(words, names) for words in sentences]

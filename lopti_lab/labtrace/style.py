@@ -66,6 +66,10 @@ class TraceStyle:
     """with ``coded``, a person after the roster is their number alone ('1 KKN says 1 knight is knight true or 2
     knave ...'): the trace then copies numbers and never has to match a name to its number (the answer still names
     everyone); about 15% fewer response tokens at 3 people"""
+    answer_roster: bool = False
+    """with ``coded``, write the roster in the answer's own numbering ('(1) Logan (2) Sebastian (3) Daniel .'), so that
+    each name of the answer is a forward copy of the name after the same '(k)' (in a roster 'Logan 1 ...' the name
+    comes before its number: the answer must look it up backwards)"""
     bare_quiz: bool = False
     """with ``numbered_quiz``, the prompt's quiz without the sentences every puzzle shares (the island's rules and the
     closing question; prompt style "chat_quiz_numbered_bare"): 74 prompt tokens instead of 108 at 3 people, and no
@@ -89,6 +93,8 @@ class TraceStyle:
             raise ValueError("TraceStyle.numbered_quiz needs coded=True (only coded traces name people by number)")
         if self.numbers_only and not self.coded:
             raise ValueError("TraceStyle.numbers_only needs coded=True (only coded traces number the people)")
+        if self.answer_roster and not self.coded:
+            raise ValueError("TraceStyle.answer_roster needs coded=True (only coded traces write a roster)")
         if self.bare_quiz and not self.numbered_quiz:
             raise ValueError("TraceStyle.bare_quiz needs numbered_quiz=True (the bare quiz is the numbered one)")
         for name in ("say_that", "line_now", "line_and"):
@@ -122,6 +128,14 @@ def _leaf_words(leaf: Statement, names: Sequence[str], numbered: bool = False) -
 def person(names: Sequence[str], i: int, numbered: bool) -> str:
     """How a trace names person ``i``: 'Logan', or with numbers 'Logan 1'."""
     return f"{names[i]} {i + 1}" if numbered else names[i]
+
+
+def roster(names: Sequence[str], style: TraceStyle) -> str:
+    """A coded trace's first sentence, who has which number: 'Logan 1 Sebastian 2 .', or with ``answer_roster``
+    '(1) Logan (2) Sebastian .'."""
+    if style.answer_roster:
+        return " ".join(f"({i + 1}) {name}" for i, name in enumerate(names)) + " ."
+    return " ".join(person(names, i, True) for i in range(len(names))) + " ."
 
 
 def line_code(knights: Sequence[bool]) -> str:

@@ -9,7 +9,16 @@ from dataclasses import dataclass
 
 from lopti_lab.kk.generate import Puzzle, role_word, solution_text_format
 from lopti_lab.kk.logic import LEAVES, Statement, evaluate
-from lopti_lab.labtrace.style import PLAIN, TraceStyle, assignments, combine, line_code, person, render_claim
+from lopti_lab.labtrace.style import (
+    PLAIN,
+    TraceStyle,
+    assignments,
+    combine,
+    line_code,
+    person,
+    render_claim,
+    roster,
+)
 
 
 @dataclass
@@ -130,7 +139,7 @@ def _write_trace(puzzle: Puzzle, rng: random.Random, style: TraceStyle) -> _Writ
     out = _Writer(rng, style)
     names, n = puzzle.names, puzzle.n_people
     if style.coded:  # the roster: who has which number
-        out.fixed(" ".join(person(names, i, True) for i in range(n)) + " .")
+        out.fixed(roster(names, style))
     who = [str(i + 1) for i in range(n)] if style.numbers_only else names  # a person after the roster
     if style.transcribe:
         order = list(range(n))
