@@ -35,8 +35,6 @@ class TraceAudit:
     slips: int = 0
     copy_errors: int = 0
     """restated statements or roles that do not match the quiz or the line"""
-    logic_errors: int = 0
-    """verdicts, next lines or answers that do not follow from what was written: the sum of the next three"""
     verdict_errors: int = 0
     """verdicts that do not follow from the statement's written value and the speaker's role on the line"""
     line_errors: int = 0
@@ -71,6 +69,11 @@ class TraceAudit:
     transcription_errors: int = 0
     """restated statements that are not their speaker's in the quiz, plus each person never or twice restated: the
     checks copy from these lines, so one error here can spoil every check of that speaker"""
+
+    @property
+    def logic_errors(self) -> int:
+        """Verdicts, next lines or answers that do not follow from what was written."""
+        return self.verdict_errors + self.line_errors + self.answer_errors
 
     @property
     def clean(self) -> bool:
@@ -229,7 +232,7 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
                     audit.copy_errors += 1
                 line_no += 1
                 if line_no >= len(order) or line != order[line_no] or (line_no > 0 and not line_failed):
-                    audit.logic_errors, audit.line_errors = audit.logic_errors + 1, audit.line_errors + 1
+                    audit.line_errors += 1
                 line_failed, passed_line = False, line
                 continue
             if words[:2] == ["none", "left"]:
@@ -260,12 +263,12 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
                 audit.copy_errors += 1
             ok = _VALUES[value] == (role == "knight")
             if verdict not in (style.passes if ok else style.fails):
-                audit.logic_errors, audit.verdict_errors = audit.logic_errors + 1, audit.verdict_errors + 1
+                audit.verdict_errors += 1
             if verdict in style.fails:
                 line_failed, passed_line = True, None
     except (KeyError, IndexError, TypeError, ValueError):
         audit.parsed = False
         return audit
     if passed_line is not None and solution_text_format(names, passed_line) not in answer:
-        audit.logic_errors, audit.answer_errors = audit.logic_errors + 1, audit.answer_errors + 1
+        audit.answer_errors += 1
     return audit
