@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/lab_model_probe.py --name wide --minutes 20 --set spec.hidden_size=320 trace.slip=0.02
     .venv/bin/python benchmarks/lab_model_probe.py --ideal      # no training: what a perfect learner would show
     .venv/bin/python benchmarks/lab_model_probe.py --audit reports/lab_probes/base   # re-read a probe's traces
+    .venv/bin/python benchmarks/lab_model_probe.py --targets data/lab_model --people 2 3 --more-people 4 5 6
 
 Each probe runs `labmodel.pretrain` on labtrace's traces (`labmodel.RL_TRACE`, 4 length buckets, evaluations up to
 896 new tokens) with the overrides given (``field=value``, nested fields with a dot; values are
@@ -12,6 +13,11 @@ sampled accuracy at 2 and 3 people, format errors, and the token-probability pro
 training puzzles, 8 samples each at the rollout temperature), and an audit of its greedy traces
 (`labmodel.audit_greedy`: transcription, copy and logic errors, slips; 40 test puzzles per people count). Results go
 to reports/lab_probes/<name>/probe.json.
+
+``--targets DIR`` trains nothing: the four warm-start targets of issue 11 for a saved lab model, on the test split's
+``--people`` counts (its recorded final evaluation: greedy, 4 samples at T = 1.0, format errors) and the token profile
+of its own rollouts on the training mix of those counts at ``--temperature``, each beside its target; greedy accuracy
+at ``--more-people`` too (responses capped by the model's context).
 
 ``--ideal`` trains nothing: for the trace style (with the --set trace overrides) it prints what a model that samples
 exactly the traces' distribution would show at T = 1.0, the ceiling of a warm start: the token profile
@@ -75,6 +81,51 @@ def ideal(style: labtrace.TraceStyle, people: list[int], size: int) -> dict:
     return out
 
 
+TARGETS = {"greedy": 0.80, "gap": 0.25, "below_075": 0.25, "below_025": 0.10, "format_errors": 0.02}
+"""Issue 11's warm-start targets: greedy accuracy >= 0.80, sampled at least 0.25 below it, >= 25% of rollout tokens
+below p = 0.75 and >= 10% below 0.25, format errors < 2%."""
+
+
+def targets(folder: str, people: list[int], more_people: list[int], temperature: float) -> dict:
+    """The targets measured on a saved lab model (its recorded final evaluation for ``people``, a fresh rollout
+    profile on their training mix, fresh greedy accuracy for ``more_people``)."""
+    from lopti_lab.kk import load_split
+    from lopti_lab.labeval import rollout_profile
+    from lopti_lab.trainer import evaluate
+
+    model, tokenizer = labmodel.load_lab_model(folder)
+    summary = json.loads((Path(folder) / "lab_model.json").read_text())
+    final, style = summary["final_eval"], labmodel.prompt_style_of(folder)
+    missing = [n for n in people if f"test/greedy/acc_{n}ppl" not in final]
+    if missing:
+        raise SystemExit(f"{folder}/lab_model.json has no final evaluation at {missing} people")
+    greedy = sum(final[f"test/greedy/acc_{n}ppl"] for n in people) / len(people)
+    sampled = sum(final[f"test/sample/acc_{n}ppl"] for n in people) / len(people)
+    profile = rollout_profile(model, tokenizer, people=people, temperature=temperature, prompt_style=style,
+                              max_new_tokens=640)  # fmt: skip
+    shares = [profile[f"share_bin{i}"] for i in range(4)]
+    measured = {
+        "greedy": greedy,
+        "gap": greedy - sampled,
+        "below_075": sum(shares[:3]),
+        "below_025": shares[0],
+        "format_errors": final["test/sample/format_error_rate"],
+    }
+    context = model.config.max_position_embeddings - 128  # the longest quiz prompt at 6 people is under 128 tokens
+    more = evaluate(model, tokenizer, load_split("test", more_people), prompt_style=style,
+                    max_new_tokens=context, modes=("greedy",), prefix="test") if more_people else {}  # fmt: skip
+    return {
+        "people": people,
+        "per_people": {n: {m: final[f"test/{m}/acc_{n}ppl"] for m in ("greedy", "sample")} for n in people},
+        "more_people_greedy": {n: more[f"test/greedy/acc_{n}ppl"] for n in more_people},
+        "more_people_len_mean": more.get("test/greedy/len_mean"),
+        "profile [0,.25) [.25,.5) [.5,.75) [.75,1]": shares,
+        "profile_tokens": profile["tokens"],
+        "measured": measured,
+        "met": {k: (v < TARGETS[k] if k == "format_errors" else v >= TARGETS[k]) for k, v in measured.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="probe")
@@ -86,7 +137,15 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--ideal", action="store_true", help="no training: the traces' own profile and accuracy")
     parser.add_argument("--audit", metavar="DIR", help="no training: audit the greedy traces of a saved lab model")
+    parser.add_argument("--targets", metavar="DIR", help="no training: issue 11's targets for a saved lab model")
+    parser.add_argument("--more-people", type=int, nargs="*", default=[], help="with --targets: greedy only")
     args = parser.parse_args()
+    if args.targets:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        print(json.dumps(targets(args.targets, args.people, args.more_people, args.temperature), indent=1))
+        return
     if args.audit:
         import torch
 

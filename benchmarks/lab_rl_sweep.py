@@ -43,16 +43,17 @@ CONFIGS: dict[str, dict] = {
 
 
 def sweep_config(name: str, seed: int, args: argparse.Namespace):
-    """The demo's TrainConfig for GRPO (`DemoConfig` defaults, so the sweep's "base" is the demo) with a 3-person
-    sampled evaluation every ``--eval-every`` steps, no probes, then the configuration's overrides."""
+    """The demo's TrainConfig for GRPO (`DemoConfig` defaults, so the sweep's "base" is the demo) with a sampled
+    evaluation of the demo's people counts every ``--eval-every`` steps, no probes, then the configuration's
+    overrides."""
     from dataclasses import replace
 
     from lopti_lab.experiments import DemoConfig
 
-    demo = DemoConfig(steps=args.steps).train_config("GRPO", seed, Path(args.out) / f"{name}-seed{seed}")
+    demo_fields = {"steps": args.steps, **({"model": args.model} if args.model else {})}
+    demo = DemoConfig(**demo_fields).train_config("GRPO", seed, Path(args.out) / f"{name}-seed{seed}")
     return replace(
         demo,
-        eval_people=(3,),
         eval_modes=("sample",),
         eval_samples=args.eval_samples,
         eval_every=args.eval_every,
@@ -62,11 +63,28 @@ def sweep_config(name: str, seed: int, args: argparse.Namespace):
     )
 
 
+def parse_setting(items: list[str]) -> tuple[str, dict]:
+    """``--set NAME field=value ...`` (values are Python literals) -> (NAME, TrainConfig overrides)."""
+    import ast
+
+    name, *pairs = items
+    overrides = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {name}: expected field=value, got {pair!r}")
+        try:
+            overrides[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            overrides[key] = text
+    return name, overrides
+
+
 def parse_run(text: str) -> tuple[str, int]:
     """ "name" or "name@seed" -> (name, seed)."""
     name, _, seed = text.partition("@")
     if name not in CONFIGS:
-        raise argparse.ArgumentTypeError(f"unknown configuration {name!r}; choose from {list(CONFIGS)}")
+        raise SystemExit(f"unknown configuration {name!r}; choose from {list(CONFIGS)}")
     return name, int(seed) if seed else -1
 
 
@@ -76,6 +94,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> None:
     from lopti_lab.trainer import train
 
     torch.set_num_threads(args.threads)
+    CONFIGS.update(parse_setting(items) for items in args.set)  # a spawned process starts from the module's own
     cfg = sweep_config(name, seed, args)
     start = time.perf_counter()
 
@@ -129,10 +148,10 @@ def summarize(out: Path) -> None:
         return
     df = pd.DataFrame(rows)
     df["run"] = df["name"] + "/s" + df["seed"].astype(str)
-    evals = df.dropna(subset=["eval/sample/acc_3ppl"])
-    table = evals.pivot_table(index="run", columns="step", values="eval/sample/acc_3ppl")
-    print("3-person test accuracy (sampled, T = 1.0) by step:")
-    print(table.round(3).to_string())
+    for key in sorted(k for k in df.columns if k.startswith("eval/sample/acc_") and not k.endswith("_se")):
+        table = df.dropna(subset=[key]).pivot_table(index="run", columns="step", values=key)
+        print(f"{key.removeprefix('eval/sample/acc_')} test accuracy (sampled, T = 1.0) by step:")
+        print(table.round(3).to_string())
     train_acc = df.assign(block=(df["step"] - 1) // 10).pivot_table(index="run", columns="block", values="acc/all")
     print("\ntraining accuracy, mean over steps 1-10, 11-20, ...:")
     print(train_acc.round(3).to_string())
@@ -144,7 +163,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/lab_rl_sweep")
     parser.add_argument(
-        "--configs", nargs="+", type=parse_run, default=None, help="names, or name@seed for another seed (default: all)"
+        "--configs",
+        nargs="+",
+        default=None,
+        help="names, or name@seed for another seed (default: all, or the --set ones)",
     )
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--eval-every", type=int, default=10)
@@ -152,10 +174,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the names given without @seed")
     parser.add_argument("--seeds-for-warm", type=int, default=2, help="with --warm-start: evaluation seeds 0..N-1")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=None, help="a lab model folder (default: the demo's, the bundled one)")
+    parser.add_argument("--set", nargs="+", action="append", default=[], metavar="NAME FIELD=VALUE",
+                        help="one more configuration: a name, then TrainConfig overrides")  # fmt: skip
     parser.add_argument("--summarize", action="store_true", help="only print the table of a finished sweep")
     parser.add_argument("--warm-start", type=int, default=0, metavar="K",
                         help="only evaluate the warm start (--seeds-for-warm seeds) and its pass@1..K")  # fmt: skip
     args = parser.parse_args()
+    for items in args.set:
+        name, overrides = parse_setting(items)
+        CONFIGS[name] = overrides
     if args.warm_start:
         warm_start(args.warm_start, args)
         return
@@ -163,7 +191,9 @@ def main() -> None:
     if not args.summarize:
         out.mkdir(parents=True, exist_ok=True)
         ctx = mp.get_context("spawn")
-        chosen = args.configs or [(name, -1) for name in CONFIGS]
+        named = [parse_run(text) for text in args.configs or []]  # after --set: its names are known now
+        added = [(name, -1) for name, _ in map(parse_setting, args.set) if name not in {n for n, _ in named}]
+        chosen = [*named, *added] or [(name, -1) for name in CONFIGS]
         runs = [(name, args.seed if seed < 0 else seed) for name, seed in chosen]
         procs = [ctx.Process(target=run_one, args=(n, s, args), name=f"{n}@{s}") for n, s in runs]
         for p in procs:

@@ -112,6 +112,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "prompts_per_step": [("out of range", 0)],
         "group_size": [("out of range: no group", 1)],
         "lr": [("out of range", 0.0), ("not finite", INF)],
+        "adam_eps": [("out of range", 0.0)],
         "minibatch_size": [("out of range", 0), ("inconsistent: does not divide B = 8 x 8", 3)],
         "temperature": [("out of range", 0.0)],
         "ppo_epochs": [("out of range", 0)],
@@ -165,10 +166,14 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
             ("inconsistent: bare quiz without numbers", {"coded": True, "bare_quiz": True}),
             ("inconsistent: numbers only without codes", {"numbers_only": True}),
             ("inconsistent: answer roster without codes", {"answer_roster": True}),
+            ("inconsistent: numbers first without numbers only", {"coded": True, "number_first": True}),
+            ("opener that opens a line", {"check_openers": ("Try",)}),
         ],
         "length_buckets": [("out of range", 0)],
         "max_new_tokens": [("out of range", 0)],
         "threads": [("out of range", 0)],
+        "autocast": [("not a choice", "float16")],
+        "stop_after": [("out of range", 0)],
     },
 }
 

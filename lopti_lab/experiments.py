@@ -1,14 +1,9 @@
-"""Experiments built from the trainer and the probes: the frozen-batch counterfactual and the lab-model demo.
-
-    batch = frozen_batch(model, tokenizer, puzzles, group_size=8)         # one rollout, scored, kept fixed
-    shift = counterfactual(model, batch, lr=1e-4)                          # GRPO / AR / Lopti / AR+Lopti on it
-    plots.fig2(shift=shift.bins)                                           # the paper's Fig. 2b
+"""The lab-model demo: GRPO, GRPO+AR, GRPO+Lopti and GRPO+AR+Lopti trained side by side on a laptop CPU, then a
+report folder (accuracy tables, learning curves, the paper's figures during training).
 
     report = run_demo(DemoConfig(seeds=3))                                 # `lopti-lab demo --seeds 3`
 
-The counterfactual applies each method's update (one RL step's optimizer steps, exactly as the trainer takes them)
-to the SAME batch from the SAME weights, measures how every response token's probability moved, and restores the
-weights: the cleanest view of what AR and Lopti change, free of sampling noise.
+The frozen-batch counterfactual it reports beside the runs is ``lopti_lab.counterfactual`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -18,7 +13,6 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -27,21 +21,17 @@ import torch
 
 from lopti_lab import labmodel, plots, runs
 from lopti_lab.checks import FieldCheck, is_int, rename_owner
-from lopti_lab.kk import Puzzle, build_prompt, load_split
-from lopti_lab.objective import group_advantages
-from lopti_lab.probes import probability_shift
-from lopti_lab.probes.shift import float64_logprobs
-from lopti_lab.rollout import FAST_PATHS, Rollout, response_logprobs, sample
-from lopti_lab.theory import DEFAULT_BINS
-from lopti_lab.trainer import TrainConfig, advantages_and_stages, evaluate, score_rollout, train, update_policy
-
-METHODS: dict[str, dict] = {
-    "GRPO": {},
-    "GRPO+AR": {"ar_alpha": 0.3},
-    "GRPO+Lopti": {"lopti_eta": 0.5},
-    "GRPO+AR+Lopti": {"ar_alpha": 0.3, "lopti_eta": 0.5},
-}
-"""The paper's four variants with its K&K settings (alpha = 0.3, eta = 0.5), as TrainConfig overrides."""
+from lopti_lab.counterfactual import (  # noqa: F401  (re-exported: experiments.counterfactual etc. stay where they were)
+    METHODS,
+    Counterfactual,
+    FrozenBatch,
+    attribution_tables,
+    counterfactual,
+    frozen_batch,
+)
+from lopti_lab.kk import load_split
+from lopti_lab.rollout import FAST_PATHS
+from lopti_lab.trainer import TrainConfig, evaluate, train
 
 PAPER_TABLE = pd.DataFrame(
     [
@@ -62,131 +52,6 @@ PAPER_TABLE = pd.DataFrame(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the frozen-batch counterfactual
-
-
-@dataclass
-class FrozenBatch:
-    """One scored rollout, kept fixed so that several updates can be compared on it."""
-
-    puzzles: list[Puzzle]
-    rollout: Rollout
-    rewards: torch.Tensor
-    """(B,) Logic-RL totals."""
-    advantages: torch.Tensor
-    """(B,) GRPO advantages (before AR)."""
-    temperature: float
-
-
-def frozen_batch(
-    model,
-    tokenizer,
-    puzzles: Sequence[Puzzle],
-    group_size: int = 8,
-    *,
-    prompt_style: str = labmodel.LAB_PROMPT_STYLE,
-    temperature: float = 1.0,
-    max_new_tokens: int = 256,
-    seed: int = 0,
-    fast_path: str = "auto",
-) -> FrozenBatch:
-    """Sample G completions per puzzle (with rollout log-probs), score them and compute GRPO advantages."""
-    torch.manual_seed(seed)
-    prompts = [build_prompt(p, prompt_style, tokenizer) for p in puzzles]
-    rollout = sample(
-        model,
-        tokenizer,
-        prompts,
-        group_size,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        fast_path=fast_path,
-    )
-    totals = torch.tensor([r.total for r in score_rollout(rollout, puzzles)], device=rollout.response_ids.device)
-    return FrozenBatch(list(puzzles), rollout, totals, group_advantages(totals, group_size), temperature)
-
-
-@dataclass
-class Counterfactual:
-    """What each method's update did to the same batch."""
-
-    tokens: pd.DataFrame
-    """`probes.ProbabilityShift.tokens` of every method, with a `method` column."""
-    bins: pd.DataFrame
-    """Per (method, bin, sign): n_tokens, correct_ratio, delta_p quantiles (`theory.shift_summary`)."""
-    updates: pd.DataFrame
-    """Per method: optimizer steps taken and the mean gradient norm."""
-
-
-def counterfactual(
-    model,
-    batch: FrozenBatch,
-    methods: dict[str, dict] | None = None,
-    *,
-    lr: float = 1e-4,
-    optimizer: str = "sgd",
-    bins: Sequence[float] = DEFAULT_BINS,
-    base: TrainConfig | None = None,
-) -> Counterfactual:
-    """Apply each method's update to ``batch`` from the same weights; measure the probability shift; restore.
-
-    ``base`` supplies the update's settings (clip range, minibatch size, ...); by default one minibatch holds the whole
-    batch, so GRPO takes one optimizer step and Lopti two (low, then high). ``optimizer``: "sgd" shows gradient
-    sizes directly (the paper's Fig. 1 uses SGD), "adamw" is what training uses (its first step is sign-like).
-    The correct ratio compares each token's probability change with the sign of its advantage (AR never flips it).
-    """
-    methods = METHODS if methods is None else methods
-    if optimizer not in ("sgd", "adamw"):
-        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
-    rollout = batch.rollout
-    if base is None:
-        prompts = len(rollout) // rollout.group_size
-        base = TrainConfig(
-            model="lab",
-            kl_coef=0.0,
-            minibatch_size=len(rollout),
-            prompts_per_step=prompts,
-            group_size=rollout.group_size,
-            temperature=batch.temperature,
-        )
-    params = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.detach().clone() for p in params]
-    token_advantages = batch.advantages[:, None].expand_as(rollout.response_mask)  # (B, T)
-    # the moves are measured between float64 forwards (probability_shift): a float32 probability near 1 hides them
-    measure = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, batch.temperature)
-    before = float64_logprobs(model, *measure)
-    shifts, updates = [], []
-    try:
-        for name, overrides in methods.items():
-            cfg = replace(base, lr=lr, **{"ar_alpha": None, "lopti_eta": None, **overrides})
-            opt = (
-                torch.optim.SGD(params, lr=lr)
-                if optimizer == "sgd"
-                else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-            )
-            weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, cfg)
-            stats = update_policy(model, opt, rollout, weighted, stages, cfg)
-            after = float64_logprobs(model, *measure)
-            shift = probability_shift(before, after, token_advantages, rollout.response_mask, bins)
-            shifts.append((name, shift))
-            updates.append(
-                {"method": name, "optimizer_steps": stats["update/optimizer_steps"], "grad_norm": stats["grad/norm"]}
-            )
-            with torch.no_grad():
-                for p, s in zip(params, saved, strict=True):
-                    p.copy_(s)
-    finally:
-        with torch.no_grad():
-            for p, s in zip(params, saved, strict=True):
-                p.copy_(s)
-    return Counterfactual(
-        tokens=pd.concat([s.tokens.assign(method=n) for n, s in shifts], ignore_index=True),
-        bins=pd.concat([s.bins.assign(method=n) for n, s in shifts], ignore_index=True),
-        updates=pd.DataFrame(updates),
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # the lab demo: GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti on the lab model, on a laptop CPU
 
 
@@ -198,13 +63,12 @@ class DemoConfig:
     Lopti eta 0.5) scaled down to a CPU: fewer prompts per step, shorter responses, and no KL term (it costs a
     second forward per step; at 0.001 it barely acts in a few dozen steps). Nothing here is tuned per method.
 
-    The shared settings were picked on GRPO alone, 3-person puzzles, 400 sampled test completions after 30 steps
-    (warm start 25.75%): lr 5e-5 on 3-5 people 25.75%; lr 1e-4 on 3 people 30.25% (minibatch 64), 30.5% (32),
-    25.5% (16), 31.25% (rollouts at T = 1.0); lr 3e-4 at T = 1.0 collapsed to 12%. Training on 3 people only keeps
-    responses short, so more steps fit in the 15-minute budget. A wider sweep (`benchmarks/lab_rl_sweep.py`, table
-    in benchmarks/README.md) found no setting that gains more than 5 points in 20 steps; its best, two PPO epochs at
-    T = 1.0 (`ppo_epochs=2, temperature=1.0`), gained about 9 points after 40-60 steps there (2 seeds), and 3 ± 5 over
-    3 seeds when run the demo's way for 60 steps (28.5 min for GRPO alone): beyond the budget either way.
+    The shared settings were picked on GRPO alone (`benchmarks/lab_rl_sweep.py`, table in benchmarks/README.md, "GRPO
+    on the bundled lab model"), on 2-3-person puzzles with rollouts at T = 1.0, by sampled test accuracy on the 2-3
+    mix (warm start 0.674): at Adam's usual eps of 1e-8, lr 5e-5 gave 0.74 after 20 steps and 2e-4 0.76, while 5e-4
+    and 1e-3 broke the model within two steps; with eps 1e-3, lr 1e-3 gave 0.853 and 0.885 after 10 steps (two
+    seeds) and 0.913 after 20, and lr 2e-3 broke it again. 10 steps of four methods fit the 15-minute budget on two
+    CPU cores.
     """
 
     out: str = "reports/demo"
@@ -213,21 +77,31 @@ class DemoConfig:
     """seeds per method (> 1 gives spreads)"""
     quick: bool = False
     """a two-minute smoke version (tests): 2 steps, small evaluation"""
-    steps: int = 20
-    """RL steps per run"""
+    steps: int = 10
+    """RL steps per run (15 steps of the four methods took 20 min on two cores, 10 take about 13)"""
     prompts_per_step: int = 8
     group_size: int = 8
-    lr: float = 1e-4
-    """AdamW learning rate (full fine-tuning of the lab model)"""
+    lr: float = 1e-3
+    """AdamW learning rate (full fine-tuning of the lab model); with ``adam_eps`` at the same size, a parameter moves
+    by at most about lr per step, and one with a gradient smaller than adam_eps by about lr / adam_eps times it"""
+    adam_eps: float = 1e-3
+    """AdamW epsilon. At the usual 1e-8 Adam's first steps move every parameter by about lr whatever its gradient,
+    and the many parameters with gradients of pure sampling noise then wreck the lab model at lr >= 5e-4 within one
+    RL step (benchmarks/README.md, "GRPO on the bundled lab model"); at 1e-3 they move in proportion to their
+    gradient"""
     minibatch_size: int = 32
     """rollouts per optimizer step: two minibatches per RL step (the paper: 512 rollouts in minibatches of 256)"""
-    temperature: float = 0.7
-    """rollout temperature (the paper's 0.7); evaluation samples at 1.0"""
+    temperature: float = 1.0
+    """rollout temperature (the paper: 0.7; here 1.0, the temperature of the sampled evaluation, so that training
+    sees the slips the evaluation counts)"""
     ppo_epochs: int = 1
     """passes over each step's rollouts per stage (the paper: 1)"""
-    max_new_tokens: int = 200
-    train_people: tuple[int, ...] = (3,)
-    eval_people: tuple[int, ...] = (2, 3, 4, 5)
+    max_new_tokens: int = 512
+    """response cap of rollouts and evaluation (the bundled model's 3-person traces: 234 tokens on average, about
+    450 at most)"""
+    train_people: tuple[int, ...] = (2, 3)
+    """people counts trained on (each RL step draws from their mix): those the bundled model was warm-started on"""
+    eval_people: tuple[int, ...] = (2, 3)
     eval_size: int = 100
     """test puzzles per people count"""
     eval_samples: int = 2
@@ -256,6 +130,7 @@ class DemoConfig:
         check.integer("group_size", low=2)
         check.flag("quick")
         check.real("lr", low=0, low_open=True)
+        check.real("adam_eps", low=0, low_open=True)
         check.real("temperature", low=0, low_open=True)
         check.items("train_people", lambda n: is_int(n) and n >= 2, "people counts >= 2", distinct=True)
         check.items("eval_people", lambda n: is_int(n) and n >= 2, "people counts >= 2", distinct=True)
@@ -267,7 +142,8 @@ class DemoConfig:
         check.choice("fast_path", FAST_PATHS)
         if self.quick:  # every code path once, on the smallest batches that exercise it (tests, notebook QUICK)
             self.steps, self.prompts_per_step, self.group_size, self.eval_size, self.eval_samples = 2, 4, 4, 8, 1
-            self.eval_people, self.probe_every = self.eval_people[:2], 1
+            self.probe_every = 1  # the smallest people count only: the shortest traces
+            self.train_people, self.eval_people = self.train_people[:1], self.eval_people[:1]
         try:  # the combinations (a minibatch that does not divide the batch, a missing data file, ...): as each run
             for method in self.methods:
                 self.train_config(method, 0, Path(self.out) / "runs" / slug(method))
@@ -291,6 +167,7 @@ class DemoConfig:
             temperature=self.temperature,
             max_new_tokens=self.max_new_tokens,
             lr=self.lr,
+            adam_eps=self.adam_eps,
             minibatch_size=min(self.minibatch_size, self.prompts_per_step * self.group_size),
             kl_coef=0.0,
             ppo_epochs=self.ppo_epochs,
@@ -327,7 +204,7 @@ def run_demo(config: DemoConfig) -> Path:
     batch = frozen_batch(
         model,
         tokenizer,
-        load_split("train", config.train_people, limit=4 if config.quick else 16),
+        load_split("train", config.train_people, limit=2 if config.quick else 4),  # per people count
         config.group_size,
         prompt_style=config.prompt_style(),
         temperature=config.temperature,
@@ -559,21 +436,36 @@ Whether AR or Lopti beats GRPO at this scale is an experimental result of this r
 
 
 def add_cli(subparsers) -> None:
+    d = {f.name: f.default for f in fields(DemoConfig)}  # the defaults, without building (and checking) a config
     p = subparsers.add_parser("demo", help="GRPO, +AR, +Lopti, +AR+Lopti on the lab model (CPU) and a report")
     p.add_argument("--out", default="reports/demo", help="report folder (default reports/demo)")
     p.add_argument("--seeds", type=int, default=1, help="seeds per method (spreads)")
     p.add_argument("--quick", action="store_true", help="a two-minute smoke run")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run")
+    p.add_argument("--steps", type=int, default=None, help=f"RL steps per run (default {d['steps']})")
     p.add_argument("--methods", nargs="+", default=None, help=f"a subset of {', '.join(METHODS)}")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-4)")
-    p.add_argument("--temperature", type=float, default=None, help="rollout temperature (default 0.7)")
+    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {d['lr']:g})")
+    p.add_argument(
+        "--temperature", type=float, default=None, help=f"rollout temperature (default {d['temperature']:g})"
+    )
     p.add_argument("--ppo-epochs", type=int, default=None, help="passes over each step's rollouts (default 1)")
     p.add_argument("--fast-path", default=None, help=f"decoder: one of {', '.join(FAST_PATHS)} (default auto)")
     p.add_argument("--model", default=None, help='"lab" (the bundled lab model, default) or a lab model folder')
     p.add_argument("--max-new-tokens", type=int, default=None, help="response cap of rollouts and evaluation")
-    p.add_argument("--train-people", type=int, nargs="+", default=None, help="people counts trained on (default 3)")
-    p.add_argument("--eval-people", type=int, nargs="+", default=None, help="people counts evaluated (default 2-5)")
+    p.add_argument(
+        "--train-people",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"people counts trained on (default {' '.join(map(str, d['train_people']))})",
+    )
+    p.add_argument(
+        "--eval-people",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"people counts evaluated (default {' '.join(map(str, d['eval_people']))})",
+    )
     p.add_argument("--eval-size", type=int, default=None, help="test puzzles per people count (default 100)")
     p.set_defaults(func=_cli_demo)
 
@@ -591,26 +483,3 @@ def _cli_demo(args) -> int:
     report = run_demo(config)
     print(f"report: {report / 'report.md'}")
     return 0
-
-
-def attribution_tables(model, batch: FrozenBatch, bins: Sequence[float] = DEFAULT_BINS) -> pd.DataFrame:
-    """The gradient of the batch's GRPO loss (at ratio 1) split by probability bin, both ways (`probes` explains
-    them): "loss" follows each bin's token losses through the whole network, "position" splits every weight
-    gradient by the position the gradient passed through. One row per (attribution, bin)."""
-    from lopti_lab.probes import GradientProbe, bin_gradient_norms
-
-    rollout = batch.rollout
-    probs, mask = rollout.old_logp.exp(), rollout.response_mask  # (B, T)
-
-    def per_token_loss(before_forward=None):
-        logp, _ = response_logprobs(
-            model, rollout.input_ids, rollout.attention_mask, mask, batch.temperature, before_forward=before_forward
-        )
-        return -(batch.advantages[:, None] * logp) * mask / mask.sum()  # (B, T): the token-mean policy gradient
-
-    model.zero_grad(set_to_none=True)
-    loss_table = bin_gradient_norms(model, per_token_loss(), probs, mask, bins, attribution="loss")
-    with GradientProbe(model, bins=bins) as probe:
-        per_token_loss(lambda t: probe.set_tokens(probs[:, :t], mask[:, :t])).sum().backward()
-    model.zero_grad(set_to_none=True)
-    return pd.concat([loss_table, probe.summary()], ignore_index=True)

@@ -11,15 +11,19 @@ from lopti_lab.labtrace import TraceStyle
 
 __all__ = ["LAB_PROMPT_STYLE", "audit_greedy", "evaluate_warm_start", "lab_prompt_style", "rollout_profile"]
 
-LAB_PROMPT_STYLE = "chat_quiz"
+LAB_PROMPT_STYLE = "chat_quiz_numfirst_bare"
+"""The prompt the bundled lab model reads (``lab_prompt_style(labmodel.RL_TRACE)``, checked by the tests): the quiz
+without its shared sentences, each person's number before their name."""
 
 
 def lab_prompt_style(trace: TraceStyle | None) -> str:
-    """The prompt style a lab model of this trace style reads: the quiz alone, its people numbered for a trace
-    with ``numbered_quiz``, without the sentences every quiz shares with ``bare_quiz`` as well."""
+    """The prompt style a lab model of this trace style reads: the quiz alone ("chat_quiz"), its people numbered for
+    a trace with ``numbered_quiz`` (number first with ``number_first``), without the sentences every quiz shares with
+    ``bare_quiz`` as well."""
     if trace is None or not trace.numbered_quiz:
-        return LAB_PROMPT_STYLE
-    return "chat_quiz_numbered_bare" if trace.bare_quiz else "chat_quiz_numbered"
+        return "chat_quiz"
+    numbering = "chat_quiz_numfirst" if trace.number_first else "chat_quiz_numbered"
+    return numbering + "_bare" if trace.bare_quiz else numbering
 
 
 def evaluate_warm_start(

@@ -51,9 +51,27 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 TOKENIZER_VOCAB = 1024
-RL_TRACE = TraceStyle(slip=0.03)
-"""The trace style of the RL-ready lab model under study (issue 11; ``benchmarks/lab_model_probe.py``): labtrace's
-local-decision trace with 3% slips. The bundled model was trained on the compact solver trace (``trace=None``)."""
+AUTOCAST = ("bfloat16", "float32")
+"""``PretrainConfig.autocast`` choices."""
+RL_TRACE = TraceStyle(
+    slip=0.05,
+    random_check_order=False,
+    shuffle_transcription=False,
+    swap_symmetric=False,
+    passes=("ok", "fine", "good"),
+    fails=("no", "fails", "wrong"),
+    leaf_roles=("is", "really", "actually", "truly", "indeed"),
+    check_openers=("see", "check", "ask", "hear", "test"),
+    coded=True,
+    numbered_quiz=True,
+    bare_quiz=True,
+    numbers_only=True,
+    number_first=True,
+)
+"""The bundled lab model's trace (benchmarks/README.md, "Toward an RL-ready lab model", says why each option is on):
+every look-up by place or by a fixed word, never by matching a name; 5% slips, the errors RL is there to remove;
+free words (verbs, connectives, verdicts, leaf words, check openers) for the paper's share of low-probability
+tokens."""
 
 
 def lab_response(puzzle: Puzzle, rng: random.Random | None = None, style: TraceStyle | None = None) -> str:
@@ -82,8 +100,9 @@ def tokenizer_corpus(n_puzzles: int = 3000, seed: int = 0, style: TraceStyle | N
         p = generate_puzzle(2 + i % 7, puzzle_seed(seed, "tokenizer", 2 + i % 7, i))
         trace = lab_response(p, random.Random(i), style) if style is None or p.n_people <= 5 else ""
         texts += [instruct_prompt(p), p.quiz, trace, " ".join(p.cot_repeat_steps), p.solution_text]
-        texts += [numbered_quiz(p)] if style is not None and style.numbered_quiz else []
-        texts += [bare_quiz(numbered_quiz(p))] if style is not None and style.bare_quiz else []
+        first = style is not None and style.number_first
+        texts += [numbered_quiz(p, first)] if style is not None and style.numbered_quiz else []
+        texts += [bare_quiz(numbered_quiz(p, first))] if style is not None and style.bare_quiz else []
     texts += [f'"{n} is a knight," {n} said. {n}\'s {n}' for n in NAMES]
     return texts
 
@@ -173,47 +192,55 @@ def build_model(tokenizer, spec: LabModelSpec = LabModelSpec(), seed: int = 0):
 
 @dataclass
 class PretrainConfig:
-    """Supervised warm start of the lab model on compact solver traces."""
+    """Supervised warm start of the lab model on solver traces. Defaults are the bundled model's."""
 
-    people: tuple[int, ...] = (2, 3, 4, 5)
+    people: tuple[int, ...] = (2, 3)
     """People counts of the training puzzles (one count per batch, drawn with ``people_weights``)."""
-    people_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
+    people_weights: tuple[float, ...] = (1.0, 2.0)
     curriculum_steps: int = 400
     """For the first steps, only the two smallest people counts: short sequences, where the model first learns to
     find and copy names from the quiz (until it can, the loss sits on a plateau near 0.9 nats per token)."""
-    steps: int = 2000
+    steps: int = 3800
     """Optimizer steps (the run also stops at ``max_minutes``)."""
-    max_minutes: float = 58.0
-    batch_size: int = 32
+    max_minutes: float = 57.0
+    batch_size: int = 16
     lr: float = 1e-3
     """Peak AdamW learning rate (2e-3 kept the model on the plateau for 600 steps in our runs)."""
-    warmup_steps: int = 50
+    warmup_steps: int = 40
     min_lr_ratio: float = 0.1
     """Cosine decay from lr to lr * min_lr_ratio over ``steps``."""
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
-    eval_every: int = 400
+    eval_every: int = 1900
     eval_size: int = 40
     """Test puzzles per people count for the greedy accuracy logged during training."""
-    final_people: tuple[int, ...] = (2, 3, 4, 5, 6)
+    final_people: tuple[int, ...] = (2, 3)
     """People counts of the final evaluation (the whole test split of each; saved in lab_model.json)."""
     final_samples: int = 4
     """Completions per test puzzle at temperature 1.0 in the final evaluation (besides greedy)."""
     final_size: int | None = None
     """Test puzzles per people count in the final evaluation (None: all 100)."""
     spec: LabModelSpec = field(default_factory=LabModelSpec)
-    trace: TraceStyle | None = None
-    """The supervised traces: None, the compact solver trace (the bundled model); a ``labtrace.TraceStyle`` (or a
-    dict of its fields), labtrace's local-decision trace with that wording, check order and slip rate (``RL_TRACE``)."""
-    length_buckets: int = 1
+    trace: TraceStyle | None = RL_TRACE
+    """The supervised traces: a ``labtrace.TraceStyle`` (or a dict of its fields), labtrace's local-decision trace
+    with that wording, check order and slip rate (``RL_TRACE``, the bundled model's); None, the compact solver trace
+    (the first lab model's)."""
+    length_buckets: int = 4
     """Batches of one people count drawn at once and cut by length (labtrace's traces vary about twofold in length:
-    4 keeps padding small); 1 keeps each batch in the order drawn, as the bundled model was trained."""
-    max_new_tokens: int = 256
-    """Response cap of the evaluations (compact traces fit 256 up to 6 people; labtrace's run to ~450 tokens at 3
-    people and ~800 at 4: use 896)."""
+    4 keeps padding small); 1 keeps each batch in the order drawn, as the first lab model was trained."""
+    max_new_tokens: int = 640
+    """Response cap of the evaluations (``RL_TRACE`` runs to ~450 tokens at 3 people; compact traces fit 256 up to 6
+    people)."""
+    stop_after: int | None = None
+    """Stop after this many steps with the schedule still set by ``steps`` (None: run them all): what reproduces a
+    run that ``max_minutes`` stopped early, as the bundled model was (README, "The lab model")."""
     threads: int | None = None
     """torch threads (None: torch's default)."""
+    autocast: str = "bfloat16"
+    """Precision of the training forward and backward: "bfloat16" (torch.autocast: matmuls in bf16, weights, loss
+    and optimizer in float32; 2.2x faster steps on a CPU with AVX512-BF16, measured in benchmarks/README.md) or
+    "float32" (how models recorded before this field were trained). Evaluations always run in float32."""
 
     def __post_init__(self):
         if isinstance(self.spec, dict):
@@ -244,6 +271,8 @@ class PretrainConfig:
             check.integer(name, low=0)
         check.integer("final_size", low=1, optional=True)
         check.integer("threads", low=1, optional=True)
+        check.integer("stop_after", low=1, optional=True)
+        check.choice("autocast", AUTOCAST)
         check.real("max_minutes", low=0, low_open=True)
         check.real("lr", low=0, low_open=True)
         check.real("min_lr_ratio", 0.0, 1.0)
@@ -372,11 +401,13 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
     log: list[dict] = []
     bar = tqdm(total=config.steps, desc="lab model warm start", disable=not progress)
     step = 0
-    while step < config.steps and time.perf_counter() - start < 60 * config.max_minutes:
+    last = config.steps if config.stop_after is None else min(config.steps, config.stop_after)
+    while step < last and time.perf_counter() - start < 60 * config.max_minutes:
         n, (input_ids, attention_mask, labels) = stream.batch(step)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.autocast == "bfloat16"):
+            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
@@ -483,6 +514,7 @@ def add_cli(subparsers) -> None:
         "override it",
     )
     p.add_argument("--steps", type=int, default=None, help=f"default {defaults.steps}")
+    p.add_argument("--stop-after", type=int, default=None, help="stop after N steps, the schedule still over --steps")
     p.add_argument("--max-minutes", type=float, default=None, help=f"default {defaults.max_minutes}")
     p.add_argument("--batch-size", type=int, default=None, help=f"default {defaults.batch_size}")
     p.add_argument("--lr", type=float, default=None, help=f"default {defaults.lr}")
@@ -492,19 +524,37 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=_cli_pretrain)
 
 
+FIELDS_BEFORE_RECORDED = {"trace": None, "length_buckets": 1, "max_new_tokens": 256, "autocast": "float32"}
+"""How a lab model recorded before a PretrainConfig field existed was trained: what `lopti-lab pretrain --config
+<its lab_model.json>` takes for a field the record lacks (the first lab model's record has none of these)."""
+
+
+def config_fields(path: str | Path) -> dict:
+    """PretrainConfig fields from a JSON file: an object of fields, or a lab_model.json (its recorded ``config``;
+    a field the record lacks takes the value it had before the field existed, ``FIELDS_BEFORE_RECORDED``; a run
+    that ``max_minutes`` stopped early is stopped at the same step, ``stop_after``). Raises ValueError naming the
+    file."""
+    try:
+        loaded = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--config {path}: {err}") from None
+    fields_given = loaded.get("config", loaded) if isinstance(loaded, dict) else loaded
+    if not isinstance(fields_given, dict):
+        raise ValueError(f"--config {path}: expected a JSON object of PretrainConfig fields")
+    if "config" in loaded:  # a recorded config: a field it lacks came later
+        fields_given = {**FIELDS_BEFORE_RECORDED, **fields_given}
+        done = loaded.get("steps_done")
+        if fields_given.get("stop_after") is None and isinstance(done, int) and done < fields_given.get("steps", done):
+            fields_given["stop_after"] = done  # the clock stopped it: stop at the same step, on the same schedule
+    return fields_given
+
+
 def _cli_pretrain(args) -> int:
-    fields_given = {}
-    if args.config is not None:
-        try:
-            loaded = json.loads(Path(args.config).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise SystemExit(f"lopti-lab pretrain: --config {args.config}: {err}") from None
-        fields_given = loaded.get("config", loaded) if isinstance(loaded, dict) else loaded
-        if not isinstance(fields_given, dict):
-            raise SystemExit(
-                f"lopti-lab pretrain: --config {args.config}: expected a JSON object of PretrainConfig fields"
-            )
-    names = ("steps", "max_minutes", "batch_size", "lr", "seed", "eval_every", "threads")
+    try:
+        fields_given = {} if args.config is None else config_fields(args.config)
+    except ValueError as err:
+        raise SystemExit(f"lopti-lab pretrain: {err}") from None
+    names = ("steps", "stop_after", "max_minutes", "batch_size", "lr", "seed", "eval_every", "threads")
     fields_given |= {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     try:
         config = PretrainConfig(**fields_given)
@@ -514,6 +564,9 @@ def _cli_pretrain(args) -> int:
         raise SystemExit(f"lopti-lab pretrain: {err}") from None
     summary = pretrain(config, args.out)
     final = summary["final_eval"]
-    accs = ", ".join(f"{k.split('/')[-1]} {v:.0%}" for k, v in final.items() if "/acc_" in k and "all" not in k)
+    accs = "; ".join(
+        f"{mode} " + ", ".join(f"{n} people {final[f'test/{mode}/acc_{n}ppl']:.0%}" for n in config.final_people)
+        for mode in ("greedy", "sample")
+    )
     print(f"saved {args.out} after {summary['steps_done']} steps in {summary['minutes']:.1f} min; test: {accs}")
     return 0

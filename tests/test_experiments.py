@@ -192,7 +192,8 @@ def test_demo_cli_passes_the_rl_settings_and_names_a_bad_one(tmp_path, monkeypat
     seen = []
     monkeypatch.setattr(experiments, "run_demo", lambda config: seen.append(config) or Path(config.out))
     assert main(["demo", "--lr", "5e-5", "--temperature", "1.0", "--ppo-epochs", "2", "--out", str(tmp_path)]) == 0
-    assert (seen[0].lr, seen[0].temperature, seen[0].ppo_epochs, seen[0].steps) == (5e-5, 1.0, 2, 20)
+    assert (seen[0].lr, seen[0].temperature, seen[0].ppo_epochs) == (5e-5, 1.0, 2)
+    assert seen[0].steps == experiments.DemoConfig.steps  # the default, untouched
     with pytest.raises(SystemExit, match="ppo_epochs"):
         main(["demo", "--ppo-epochs", "0", "--out", str(tmp_path / "demo")])
     assert not (tmp_path / "demo").exists()
@@ -249,14 +250,17 @@ def test_accuracy_table_carries_each_runs_standard_error(tmp_path):
 
 
 def test_the_demo_prompts_a_lab_model_folder_in_the_style_its_trace_was_trained_on(tmp_path):
-    """A lab model folder whose trace numbers the quiz gets numbered prompts in every run; the bundled model (a
-    compact trace) and a folder without lab_model.json the plain quiz."""
+    """A lab model folder whose trace numbers the quiz gets numbered prompts in every run; the bundled model the
+    prompt of its own trace (number first, bare), and a folder without lab_model.json ``LAB_PROMPT_STYLE``."""
+    from lopti_lab.labmodel import LAB_PROMPT_STYLE, RL_TRACE, lab_prompt_style
+
     folder = tmp_path / "coded"
     folder.mkdir()
     trace = {"coded": True, "numbered_quiz": True, "leaf_roles": ["is", "really"]}
     (folder / "lab_model.json").write_text(json.dumps({"config": {"trace": trace}}))
     numbered = experiments.DemoConfig(model=str(folder), out=str(tmp_path / "demo"))
     assert numbered.train_config(list(experiments.METHODS)[-1], 0, tmp_path / "r").prompt_style == "chat_quiz_numbered"
-    plain = experiments.DemoConfig(out=str(tmp_path / "demo"))
-    assert plain.train_config("GRPO", 0, tmp_path / "r").prompt_style == "chat_quiz"
-    assert experiments.DemoConfig(model=str(tmp_path), out=str(tmp_path / "demo")).prompt_style() == "chat_quiz"
+    bundled = experiments.DemoConfig(out=str(tmp_path / "demo"))
+    assert bundled.train_config("GRPO", 0, tmp_path / "r").prompt_style == lab_prompt_style(RL_TRACE)
+    assert lab_prompt_style(RL_TRACE) == LAB_PROMPT_STYLE == "chat_quiz_numfirst_bare"
+    assert experiments.DemoConfig(model=str(tmp_path), out=str(tmp_path / "demo")).prompt_style() == LAB_PROMPT_STYLE

@@ -171,3 +171,30 @@ def test_the_bare_quiz_keeps_the_inhabitants_and_statements_and_drops_only_the_s
             assert "So who is" not in bare and bare.endswith((".", '"'))
     with pytest.raises(ValueError, match="not a K&K quiz"):
         bare_quiz("You meet 2 inhabitants: Zoey, and Oliver.")
+
+
+def test_the_number_first_quiz_puts_each_number_before_its_name_and_changes_nothing_else(records):
+    """On the real K&K records: every occurrence of a name becomes '<its number> <name>' (after an opening quote
+    ' <number> <name>', so that each number is one and the same token), and taking the numbers out again gives the
+    quiz back word for word; the prompt style "chat_quiz_numfirst_bare" reads that quiz, bare."""
+    import re
+
+    from lopti_lab.kk.reward import bare_quiz, build_prompt, numbered_quiz
+    from lopti_lab.labmodel import build_tokenizer
+
+    quoted = 0
+    for record in records[::7]:
+        p = Puzzle.from_record(record)
+        text = numbered_quiz(p, first=True)
+        for i, name in enumerate(p.names):
+            plain = len(re.findall(rf"\b{re.escape(name)}\b", p.quiz))
+            assert plain > 0 and len(re.findall(rf"(?<![\w\d]){i + 1} {re.escape(name)}\b", text)) == plain
+        assert not re.search(r'"\d', text)
+        quoted += text.count('" ')
+        names = "|".join(re.escape(n) for n in p.names)
+        unquoted = re.sub(rf'(?<=\s)" \d ({names})\b', lambda m: '"' + m[1], text)  # an opening quote
+        assert re.sub(rf"\b\d ({names})\b", lambda m: m[1], unquoted) == p.quiz
+    assert quoted > 0  # the records do quote statements that open with a name
+    tokenizer = build_tokenizer(n_puzzles=100)
+    p = Puzzle.from_record(records[0])
+    assert bare_quiz(numbered_quiz(p, first=True)) in build_prompt(p, "chat_quiz_numfirst_bare", tokenizer)

@@ -1,5 +1,6 @@
 """The lab model: its tokenizer on the real K&K text, its warm-start data, and loading it offline."""
 
+import dataclasses
 import json
 import os
 import random
@@ -66,9 +67,13 @@ def test_tags_are_single_tokens_that_survive_decoding(lab_tokenizer):
 
 
 def test_chat_template_gives_the_lab_prompt(lab_tokenizer):
+    from lopti_lab.kk.reward import bare_quiz, numbered_quiz
+
     p = generate_puzzle(2, 3)
-    prompt = build_prompt(p, LAB_PROMPT_STYLE, lab_tokenizer)
+    prompt = build_prompt(p, "chat_quiz", lab_tokenizer)
     assert prompt == f"<|im_start|>user\n{p.quiz}<|im_end|>\n<|im_start|>assistant\n<think>"
+    quiz = bare_quiz(numbered_quiz(p, first=True))  # what the bundled model reads
+    assert build_prompt(p, LAB_PROMPT_STYLE, lab_tokenizer) == prompt.replace(p.quiz, quiz)
     with_system = build_prompt(p, "chat", lab_tokenizer)
     assert with_system.startswith("<|im_start|>system\nYou are a helpful assistant.")
 
@@ -82,7 +87,7 @@ def test_a_numbered_trace_trains_on_the_numbered_quiz(lab_tokenizer):
 
     p = generate_puzzle(3, 4)
     numbered = TraceStyle(coded=True, numbered_quiz=True)
-    assert [lab_prompt_style(s) for s in (None, TraceStyle(coded=True), numbered)] == [LAB_PROMPT_STYLE] * 2 + [
+    assert [lab_prompt_style(s) for s in (None, TraceStyle(coded=True), numbered)] == ["chat_quiz"] * 2 + [
         "chat_quiz_numbered"
     ]
     full, n_prompt = encode_example(lab_tokenizer, p, random.Random(0), numbered)
@@ -210,9 +215,11 @@ def test_bundled_model_loads_offline_and_answers(tmp_path):
         "from lopti_lab.models import load_policy\n"
         "from lopti_lab.kk import load_split, build_prompt, score_response\n"
         "from lopti_lab.rollout import sample\n"
+        "from lopti_lab.labmodel import LAB_PROMPT_STYLE\n"
         "model, tok = load_policy('lab', lora=None)\n"
         "ps = load_split('test', 2, limit=8)\n"
-        "r = sample(model, tok, [build_prompt(p, 'chat_quiz', tok) for p in ps], greedy=True, max_new_tokens=200)\n"
+        "r = sample(model, tok, [build_prompt(p, LAB_PROMPT_STYLE, tok) for p in ps], greedy=True,"
+        " max_new_tokens=320)\n"
         "print(sum(score_response(t, p).format_score > 0 for t, p in zip(r.texts, ps)))\n"
     )
     env = dict(
@@ -234,13 +241,63 @@ def test_bundled_tokenizer_is_the_one_pretrain_builds():
     """The shipped tokenizer.json must encode exactly as build_tokenizer() does (what `lopti-lab pretrain` trains
     with), through the class load_policy gives back: a tokenizer class that re-splits digits or spaces would feed
     the warm-started model ids it never saw."""
+    from lopti_lab.labmodel import RL_TRACE
+
     bundled = load_lab_model(BUNDLED)[1]
-    rebuilt = build_tokenizer()
+    rebuilt = build_tokenizer(style=PretrainConfig().trace)
+    assert PretrainConfig().trace == RL_TRACE
     texts = []
     for seed in range(20):
         p = generate_puzzle(2 + seed % 4, seed=1000 + seed)
-        texts += [build_prompt(p, LAB_PROMPT_STYLE, bundled), lab_response(p), "12 345 knights 0.5 <answer>"]
+        texts += [build_prompt(p, LAB_PROMPT_STYLE, bundled), lab_response(p, None, RL_TRACE), lab_response(p)]
+        texts += ["12 345 knights 0.5 <answer>"]
     for text in texts:
         ids = [tok(text, add_special_tokens=False)["input_ids"] for tok in (bundled, rebuilt)]
         assert ids[0] == ids[1], text
     assert len(bundled) == len(rebuilt)
+
+
+def test_a_config_recorded_before_later_fields_is_read_as_it_was_trained(tmp_path):
+    """`lopti-lab pretrain --config <lab_model.json>`: a record made before a field existed gets the value that field
+    had then (the first lab model's record: compact traces, no length buckets, 256 new tokens, float32), a plain JSON
+    of fields gets today's defaults for the rest, and an unreadable file is named."""
+    from lopti_lab.labmodel import FIELDS_BEFORE_RECORDED, config_fields
+
+    first_model = {  # the config recorded in the first bundled lab model's lab_model.json
+        "people": [2, 3, 4, 5], "people_weights": [1.0, 1.0, 1.0, 1.0], "curriculum_steps": 400, "steps": 2000,
+        "max_minutes": 58.0, "batch_size": 32, "lr": 0.001, "warmup_steps": 50, "min_lr_ratio": 0.1,
+        "weight_decay": 0.01, "grad_clip": 1.0, "seed": 0, "eval_every": 400, "eval_size": 40,
+        "spec": {"hidden_size": 256, "intermediate_size": 640, "num_hidden_layers": 6, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "max_position_embeddings": 1024},
+        "threads": None,
+    }  # fmt: skip
+    (tmp_path / "lab_model.json").write_text(json.dumps({"config": first_model, "steps_done": 2000}))
+    config = PretrainConfig(**config_fields(tmp_path / "lab_model.json"))
+    assert (config.trace, config.length_buckets, config.max_new_tokens, config.autocast) == (None, 1, 256, "float32")
+    assert config.people == (2, 3, 4, 5) and config.batch_size == 32
+    assert set(FIELDS_BEFORE_RECORDED) <= {f.name for f in dataclasses.fields(PretrainConfig)}
+    (tmp_path / "fields.json").write_text(json.dumps({"steps": 5}))
+    plain = PretrainConfig(**config_fields(tmp_path / "fields.json"))
+    assert plain.steps == 5 and plain.autocast == PretrainConfig().autocast and plain.trace == PretrainConfig().trace
+    with pytest.raises(ValueError, match=r"nothing\.json"):
+        config_fields(tmp_path / "nothing.json")
+
+
+def test_a_recorded_run_the_clock_stopped_is_reproduced_to_the_same_step(tmp_path):
+    """A record whose run stopped before its ``steps`` (``max_minutes``) is read with ``stop_after`` at the step it
+    reached, on the same schedule; the pretrain then stops there, and the learning rate of each step is unchanged."""
+    from lopti_lab.labmodel import config_fields
+
+    recorded = dataclasses.asdict(PretrainConfig(steps=100))
+    (tmp_path / "lab_model.json").write_text(json.dumps({"config": recorded, "steps_done": 37}))
+    config = PretrainConfig(**config_fields(tmp_path / "lab_model.json"))
+    assert (config.steps, config.stop_after) == (100, 37)
+    assert [lr_at(s, config) for s in range(37)] == [lr_at(s, PretrainConfig(steps=100)) for s in range(37)]
+    (tmp_path / "lab_model.json").write_text(json.dumps({"config": recorded, "steps_done": 100}))
+    assert PretrainConfig(**config_fields(tmp_path / "lab_model.json")).stop_after is None
+    spec = LabModelSpec(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    tiny = PretrainConfig(steps=5, stop_after=2, eval_every=10, spec=spec, final_people=(2,), final_size=1,
+                          final_samples=1, max_new_tokens=8, threads=1)  # fmt: skip
+    assert pretrain(tiny, tmp_path / "tiny", progress=False)["steps_done"] == 2

@@ -447,3 +447,56 @@ def test_an_answer_roster_numbers_the_people_as_the_answer_does():
         assert audit_trace(swapped, p, style).transcription_errors == 1
     with pytest.raises(ValueError, match="answer_roster needs coded"):
         TraceStyle(answer_roster=True)
+
+
+FIRST = TraceStyle(
+    slip=0.0, leaf_roles=("is", "really"), coded=True, numbered_quiz=True, numbers_only=True, number_first=True
+)
+"""The bundled model's numbering: numbers before names in the quiz, no roster, an answer ' 1 Logan is a knight'"""
+
+
+def test_a_number_first_trace_has_no_roster_and_answers_each_name_after_its_number():
+    """With ``number_first`` the trace is the numbers-only trace less its roster (same seed, same choices), its
+    answer is ' k Name is a role' per line, which the reward reads as the solution, and the audit reads it clean
+    for 2-5 people; an answer that gives person 2's role to the wrong name is an answer error."""
+    from dataclasses import replace
+
+    numbered = replace(FIRST, number_first=False)
+    for seed in range(20):
+        p = generate_puzzle(2 + seed % 4, 7000 + seed)
+        text, before = lab_trace(p, random.Random(seed), FIRST), lab_trace(p, random.Random(seed), numbered)
+        think, _, answer = text.partition("</think>")
+        assert think == before.partition(" .")[2].partition("</think>")[0]  # the roster sentence left out
+        lines = answer.removeprefix("<answer>").removesuffix("</answer>").split("\n")
+        roles = ["knight" if k else "knave" for k in p.solution]
+        assert lines == [f" {i + 1} {name} is a {role}" for i, (name, role) in enumerate(zip(p.names, roles))]
+        assert score_response(text, p).total == 3
+        audit = audit_trace(text, p, FIRST)
+        assert audit.clean and audit.transcription_errors == 0 and audit.answer_errors == 0
+        wrong = text.replace(f" 2 {p.names[1]} is a", f" 2 {p.names[0]} is a", 1)
+        assert audit_trace(wrong, p, FIRST).answer_errors == 1 and score_response(wrong, p).total < 3
+    for bad, fields in [("number_first needs numbers_only", {"coded": True}),
+                        ("writes no roster", {**{k: True for k in ("coded", "numbered_quiz", "numbers_only")},
+                                              "answer_roster": True})]:  # fmt: skip
+        with pytest.raises(ValueError, match=bad):
+            TraceStyle(number_first=True, **fields)
+
+
+def test_check_openers_open_every_check_with_a_free_word_that_the_audit_skips():
+    """One opener per check, drawn evenly; the rest of the trace is the trace without openers (same seed); the audit
+    reads it clean; an opener that is also a line verb is refused by name."""
+    from dataclasses import replace
+
+    style = replace(FIRST, check_openers=("see", "check", "ask"))
+    counts: Counter = Counter()
+    for seed in range(30):
+        p = generate_puzzle(2 + seed % 3, 8000 + seed)
+        text, stats = lab_trace_with_stats(p, random.Random(seed), style)
+        words = text.partition("</think>")[0].split()
+        openers = [w for w in words if w in style.check_openers]
+        assert len(openers) == stats.checks
+        counts.update(openers)
+        assert audit_trace(text, p, style).clean
+    assert min(counts.values()) > 0.25 * sum(counts.values())  # about a third each
+    with pytest.raises(ValueError, match=r"TraceStyle\.check_openers"):
+        TraceStyle(check_openers=("Try",))

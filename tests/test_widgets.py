@@ -46,7 +46,7 @@ def test_setup_picks_the_lab_model_on_cpu():
     env = widgets.setup(quick=True)
     assert (env.model, env.lora_r, env.prompt_style, env.device) == ("lab", None, prompt_style_of("lab"), "cpu")
     trace = json.loads((lab_model_dir() / "lab_model.json").read_text())["config"].get("trace")
-    assert trace is not None or env.prompt_style == LAB_PROMPT_STYLE == "chat_quiz"  # the prompt the model learned
+    assert trace is not None and env.prompt_style == LAB_PROMPT_STYLE  # the prompt the bundled model learned
     assert widgets.setup(model="Qwen/Qwen2.5-0.5B-Instruct").lora_r == 16
     assert "lab" in env._repr_markdown_()
 

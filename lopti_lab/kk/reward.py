@@ -61,7 +61,16 @@ BASE_INSTRUCTION = (
     "answer, one per line, for example <answer> (1) Zoey is a knight\n(2) Oliver is a knave </answer>."
 )
 RESPONSE_PREFIX = "<think>"
-PROMPT_STYLES = ("instruct", "base", "chat", "chat_quiz", "chat_quiz_numbered", "chat_quiz_numbered_bare")
+PROMPT_STYLES = (
+    "instruct",
+    "base",
+    "chat",
+    "chat_quiz",
+    "chat_quiz_numbered",
+    "chat_quiz_numbered_bare",
+    "chat_quiz_numfirst",
+    "chat_quiz_numfirst_bare",
+)
 
 
 def instruct_prompt(puzzle: Puzzle) -> str:
@@ -78,15 +87,20 @@ def base_prompt(puzzle: Puzzle) -> str:
     return f"{BASE_INSTRUCTION}\n\nUser: {puzzle.quiz}\nAssistant: {RESPONSE_PREFIX}"
 
 
-def numbered_quiz(puzzle: Puzzle) -> str:
+def numbered_quiz(puzzle: Puzzle, first: bool = False) -> str:
     """The quiz with every name followed by the person's number, their place in the quiz's list of inhabitants
-    (for the lab model's coded traces, which name people by number: ``labtrace.TraceStyle.numbered_quiz``).
+    (for the lab model's coded traces, which name people by number: ``labtrace.TraceStyle.numbered_quiz``); with
+    ``first`` the number comes before the name ('1 Logan told you that 2 Sebastian is a knave', '" 2 Sebastian is a
+    knave," 1 Logan said': ``labtrace.TraceStyle.number_first``).
 
     >>> from lopti_lab.kk.generate import generate_puzzle
     >>> numbered_quiz(generate_puzzle(2, 0)).count(" 1")  # doctest: +SKIP
     3
     """
     pattern = re.compile(r"\b(" + "|".join(re.escape(n) for n in puzzle.names) + r")\b")
+    if first:  # after an opening quote a space, so that every number is the same token (' 3', never '3')
+        quoted = lambda m: " " if m.start() > 0 and m.string[m.start() - 1] == '"' else ""  # noqa: E731
+        return pattern.sub(lambda m: f"{quoted(m)}{puzzle.names.index(m[0]) + 1} {m[0]}", puzzle.quiz)
     return pattern.sub(lambda m: f"{m[0]} {puzzle.names.index(m[0]) + 1}", puzzle.quiz)
 
 
@@ -104,13 +118,13 @@ def bare_quiz(quiz: str) -> str:
 
 
 def chat_messages(
-    puzzle: Puzzle, system: bool = True, numbered: bool = False, bare: bool = False
+    puzzle: Puzzle, system: bool = True, numbered: bool = False, bare: bool = False, number_first: bool = False
 ) -> list[dict[str, str]]:
     """The same request as messages for ``tokenizer.apply_chat_template`` (system prompt, if asked, + quiz; with
-    ``numbered`` the quiz names each person with their number, ``numbered_quiz``; with ``bare`` only the inhabitants
-    and their statements, ``bare_quiz``)."""
+    ``numbered`` the quiz names each person with their number, ``numbered_quiz``, before the name with
+    ``number_first``; with ``bare`` only the inhabitants and their statements, ``bare_quiz``)."""
     messages = [{"role": "system", "content": LOGIC_RL_SYSTEM.rstrip("\n")}] if system else []
-    quiz = numbered_quiz(puzzle) if numbered else puzzle.quiz
+    quiz = numbered_quiz(puzzle, first=number_first) if numbered else puzzle.quiz
     return [*messages, {"role": "user", "content": bare_quiz(quiz) if bare else quiz}]
 
 
@@ -120,17 +134,18 @@ def build_prompt(puzzle: Puzzle, style: str = "instruct", tokenizer=None) -> str
     "chat" renders ``chat_messages`` with the tokenizer's own chat template (and its generation prompt);
     "chat_quiz" does the same without the system prompt (the quiz alone: short prompts for the tiny lab model);
     "chat_quiz_numbered" with every name in the quiz followed by the person's number (``numbered_quiz``);
-    "chat_quiz_numbered_bare" that quiz without the sentences every puzzle shares (``bare_quiz``).
+    "chat_quiz_numbered_bare" that quiz without the sentences every puzzle shares (``bare_quiz``);
+    "chat_quiz_numfirst" and "chat_quiz_numfirst_bare" the same with each number before its name.
     """
     if style == "instruct":
         return instruct_prompt(puzzle)
     if style == "base":
         return base_prompt(puzzle)
-    if style in ("chat", "chat_quiz", "chat_quiz_numbered", "chat_quiz_numbered_bare"):
+    if style in PROMPT_STYLES[2:]:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"prompt style {style!r} needs a tokenizer with a chat_template")
-        numbered, bare = style.startswith("chat_quiz_numbered"), style.endswith("_bare")
-        messages = chat_messages(puzzle, system=style == "chat", numbered=numbered, bare=bare)
+        numbered, first, bare = style.startswith("chat_quiz_num"), "numfirst" in style, style.endswith("_bare")
+        messages = chat_messages(puzzle, system=style == "chat", numbered=numbered, bare=bare, number_first=first)
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return text + RESPONSE_PREFIX
     raise ValueError(f"prompt style must be one of {PROMPT_STYLES}, got {style!r}")

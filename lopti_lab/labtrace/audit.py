@@ -6,11 +6,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lopti_lab.kk.generate import Puzzle, role_word, solution_text_format
+from lopti_lab.kk.generate import Puzzle, role_word
 from lopti_lab.kk.logic import LEAVES, Statement, evaluate
 from lopti_lab.labtrace.style import (
     PLAIN,
     TraceStyle,
+    answer_text,
     assignments,
     code_roles,
     combine,
@@ -205,12 +206,12 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
     line_no, passed_line, line_failed = -1, None, False
     first_line = next((i for i, words in enumerate(sentences) if words[0] in style.line_verbs), len(sentences))
     restated: Counter = Counter()
-    if style.coded:  # the roster, then the transcription
+    if style.coded and not style.number_first:  # the roster, then the transcription
         first = roster(names, style).split()[:-1]  # the sentence without its '.'
         audit.transcription_errors += not sentences or sentences[0] != first
         sentences, first_line = sentences[1:], max(first_line - 1, 0)
-        if style.numbers_only:  # read every number as the person it names, then audit as a numbered trace
-            sentences = [_named(words, names) for words in sentences]
+    if style.numbers_only:  # read every number as the person it names, then audit as a numbered trace
+        sentences = [_named(words, names) for words in sentences]
     for words in sentences[:first_line]:  # the transcription
         _audit_transcription(words, puzzle, index, style, restated, audit)
     if style.transcribe:  # every person restated once
@@ -237,6 +238,8 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
                 continue
             if words[:2] == ["none", "left"]:
                 continue
+            if words[0] in style.check_openers:  # a check's free first word
+                words = words[1:]
             if style.restate_line and words[0] == "with":  # the line's roles restated before the check
                 pairs, words = words[1 : 1 + 2 * puzzle.n_people], words[1 + 2 * puzzle.n_people :]
                 audit.copy_errors += pairs != [w for i, k in enumerate(line) for w in (names[i], role_word(k))]
@@ -269,6 +272,6 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
     except (KeyError, IndexError, TypeError, ValueError):
         audit.parsed = False
         return audit
-    if passed_line is not None and solution_text_format(names, passed_line) not in answer:
+    if passed_line is not None and answer_text(names, passed_line, style) not in answer:
         audit.answer_errors += 1
     return audit

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
 
-from lopti_lab.kk.generate import role_word
+from lopti_lab.kk.generate import role_word, solution_text_format
 from lopti_lab.kk.logic import LEAVES, Statement
 
 
@@ -70,20 +70,33 @@ class TraceStyle:
     """with ``coded``, write the roster in the answer's own numbering ('(1) Logan (2) Sebastian (3) Daniel .'), so that
     each name of the answer is a forward copy of the name after the same '(k)' (in a roster 'Logan 1 ...' the name
     comes before its number: the answer must look it up backwards)"""
+    number_first: bool = False
+    """with ``numbers_only``, the prompt's quiz puts each number before its name ('1 Logan told you that 2 Sebastian
+    is a knave', prompt style "chat_quiz_numfirst"), there is no roster (the quiz's list of inhabitants is one) and
+    the answer names each person after their number (' 1 Logan is a knight'): every name the answer writes is then
+    the token that follows its number everywhere in the quiz, a one-token look-up. (With a name before its number, or
+    the '(1) Logan' of the dataset's answers, whose ')' is the same token for everyone, the name must be found from
+    the token two back, which the lab model did not learn: benchmarks/README.md, probe p13)"""
+    check_openers: tuple[str, ...] = ()
+    """words of which one, drawn uniformly, opens every check ('see 1 KNK says ...'): a free choice that decides
+    nothing, so that a check carries one more low-probability token (the paper's profile) at the cost of one token.
+    Empty: a check starts with its speaker"""
     bare_quiz: bool = False
     """with ``numbered_quiz``, the prompt's quiz without the sentences every puzzle shares (the island's rules and the
     closing question; prompt style "chat_quiz_numbered_bare"): 74 prompt tokens instead of 108 at 3 people, and no
     'and' of the rules for the copy of an 'and' statement to confuse"""
 
     def __post_init__(self):
-        for name in ("line_verbs", "say_verbs", "connectives", "passes", "fails", "leaf_roles"):
+        for name in ("line_verbs", "say_verbs", "connectives", "passes", "fails", "leaf_roles", "check_openers"):
             words = getattr(self, name)
             if (
-                (name != "leaf_roles" and not words)
+                (name not in ("leaf_roles", "check_openers") and not words)
                 or any(not w or " " in w for w in words)
                 or len(set(words)) != len(words)
             ):
                 raise ValueError(f"TraceStyle.{name} must be distinct single words, got {words!r}")
+        if set(self.check_openers) & {*self.line_verbs, "none"}:
+            raise ValueError(f"TraceStyle.check_openers must not open a line too, got {self.check_openers!r}")
         if not 0.0 <= self.slip < 0.5:
             raise ValueError(f"TraceStyle.slip must be in [0, 0.5), got {self.slip!r}")
         if self.coded and (self.leaf_name or self.restate_line):
@@ -95,6 +108,10 @@ class TraceStyle:
             raise ValueError("TraceStyle.numbers_only needs coded=True (only coded traces number the people)")
         if self.answer_roster and not self.coded:
             raise ValueError("TraceStyle.answer_roster needs coded=True (only coded traces write a roster)")
+        if self.number_first and not (self.numbers_only and self.numbered_quiz):
+            raise ValueError("TraceStyle.number_first needs numbers_only=True and numbered_quiz=True")
+        if self.number_first and self.answer_roster:
+            raise ValueError("TraceStyle.number_first writes no roster: answer_roster must be False")
         if self.bare_quiz and not self.numbered_quiz:
             raise ValueError("TraceStyle.bare_quiz needs numbered_quiz=True (the bare quiz is the numbered one)")
         for name in ("say_that", "line_now", "line_and"):
@@ -136,6 +153,22 @@ def roster(names: Sequence[str], style: TraceStyle) -> str:
     if style.answer_roster:
         return " ".join(f"({i + 1}) {name}" for i, name in enumerate(names)) + " ."
     return " ".join(person(names, i, True) for i in range(len(names))) + " ."
+
+
+def answer_text(names: Sequence[str], knights: Sequence[bool] | None, style: TraceStyle) -> str:
+    """What a trace writes between <answer> and </answer>: the dataset's format ('(1) Logan is a knight' per line),
+    or with ``number_first`` each name after its number (' 1 Logan is a knight' per line, the reward's parser reads
+    both); 'no solution' when no line passed.
+
+    >>> answer_text(['Logan', 'Zoey'], (True, False), TraceStyle(coded=True, numbered_quiz=True, numbers_only=True,
+    ...                                                           number_first=True))
+    ' 1 Logan is a knight\n 2 Zoey is a knave'
+    """
+    if knights is None:
+        return "no solution"
+    if style.number_first:
+        return "\n".join(f" {i + 1} {name} is a {role_word(k)}" for i, (name, k) in enumerate(zip(names, knights)))
+    return solution_text_format(names, knights)
 
 
 def line_code(knights: Sequence[bool]) -> str:
@@ -197,4 +230,5 @@ def trace_vocabulary(style: TraceStyle = PLAIN) -> list[str]:
         fixed += [str(i) for i in range(1, 9)]
         fixed += [line_code(k) for n in range(2, 5) for k in assignments(n)]
     words = [*style.line_verbs, *style.say_verbs, *style.connectives, *style.passes, *style.fails, *style.leaf_roles]
+    words += style.check_openers
     return [*words, *fixed]

@@ -7,11 +7,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lopti_lab.kk.generate import Puzzle, role_word, solution_text_format
+from lopti_lab.kk.generate import Puzzle, role_word
 from lopti_lab.kk.logic import LEAVES, Statement, evaluate
 from lopti_lab.labtrace.style import (
     PLAIN,
     TraceStyle,
+    answer_text,
     assignments,
     combine,
     line_code,
@@ -138,7 +139,7 @@ def _write_check(out: _Writer, speaker: int, puzzle: Puzzle, knights, names: Seq
 def _write_trace(puzzle: Puzzle, rng: random.Random, style: TraceStyle) -> _Writer:
     out = _Writer(rng, style)
     names, n = puzzle.names, puzzle.n_people
-    if style.coded:  # the roster: who has which number
+    if style.coded and not style.number_first:  # the roster: who has which number
         out.fixed(roster(names, style))
     who = [str(i + 1) for i in range(n)] if style.numbers_only else names  # a person after the roster
     if style.transcribe:
@@ -169,6 +170,8 @@ def _write_trace(puzzle: Puzzle, rng: random.Random, style: TraceStyle) -> _Writ
         while left and passed:
             if style.restate_line and len(left) < n:
                 out.fixed("with " + " ".join(f"{names[i]} {role_word(k)}" for i, k in enumerate(knights)))
+            if style.check_openers:
+                out.choose(style.check_openers)
             if style.random_check_order:
                 speaker = left.pop(rng.randrange(len(left)))
                 out.pick(who[speaker], 1.0 / (len(left) + 1))
@@ -184,8 +187,7 @@ def _write_trace(puzzle: Puzzle, rng: random.Random, style: TraceStyle) -> _Writ
     if found is None:
         out.fixed("none left .")
     out.stats.correct = found == tuple(puzzle.solution)
-    answer = "no solution" if found is None else solution_text_format(names, found)
-    out.words.append((f"</think><answer>{answer}</answer>", 1.0))
+    out.words.append((f"</think><answer>{answer_text(names, found, style)}</answer>", 1.0))
     return out
 
 

@@ -47,7 +47,7 @@ model, tokenizer = models.load_policy(env.model, lora=lora, device=env.device)
 puzzles = kk.load_split("train", [3], limit=2 if QUICK else 6)
 batch = experiments.frozen_batch(model, tokenizer, puzzles, group_size=4 if QUICK else 8,
                                  prompt_style=env.prompt_style, temperature=1.0,
-                                 max_new_tokens=200 if env.model == "lab" else 1024)
+                                 max_new_tokens=512 if env.model == "lab" else 1024)
 rollout = batch.rollout
 print(f"{len(rollout)} responses, {int(rollout.response_mask.sum())} response tokens, "
       f"rewards {sorted(batch.rewards.tolist())}")

@@ -104,10 +104,10 @@ if panel.result is not None:
 # The same run from a terminal:
 #
 # ```bash
-# lopti-lab train --model lab --lora-r none --prompt-style chat_quiz --ar 0.3 --lopti 0.5 --steps 20 \
-#     --train-people 3 --prompts-per-step 8 --group-size 8 --minibatch-size 32 --max-new-tokens 200 --lr 1e-4 \
-#     --kl-coef 0 --run-dir runs/ar_lopti
-# lopti-lab eval --run runs/ar_lopti --people 2 3 4 5 --prompt-style chat_quiz
+# lopti-lab train --model lab --lora-r none --prompt-style chat_quiz_numfirst_bare --ar 0.3 --lopti 0.5 --steps 15 \
+#     --train-people 2 3 --prompts-per-step 8 --group-size 8 --minibatch-size 32 --max-new-tokens 512 \
+#     --temperature 1.0 --lr 1e-3 --adam-eps 1e-3 --kl-coef 0 --run-dir runs/ar_lopti
+# lopti-lab eval --run runs/ar_lopti --people 2 3
 # ```
 #
 # On one GPU with Qwen2.5-3B-Instruct, the paper's settings are `--model Qwen/Qwen2.5-3B-Instruct --lora-r 16

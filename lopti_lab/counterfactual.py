@@ -1,0 +1,184 @@
+"""The frozen-batch counterfactual: one scored rollout kept fixed, and each method's update applied to it from the
+same weights.
+
+    batch = frozen_batch(model, tokenizer, puzzles, group_size=8)         # one rollout, scored, kept fixed
+    shift = counterfactual(model, batch, lr=1e-4)                          # GRPO / AR / Lopti / AR+Lopti on it
+    plots.fig2(shift=shift.bins)                                           # the paper's Fig. 2b
+    tables = attribution_tables(model, batch)                              # the gradient per probability bin
+
+The counterfactual applies each method's update (one RL step's optimizer steps, exactly as the trainer takes them)
+to the SAME batch from the SAME weights, measures how every response token's probability moved, and restores the
+weights: the cleanest view of what AR and Lopti change, free of sampling noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import pandas as pd
+import torch
+
+from lopti_lab import labmodel
+from lopti_lab.kk import Puzzle, build_prompt
+from lopti_lab.objective import group_advantages
+from lopti_lab.probes import probability_shift
+from lopti_lab.probes.shift import float64_logprobs
+from lopti_lab.rollout import Rollout, response_logprobs, sample
+from lopti_lab.theory import DEFAULT_BINS
+from lopti_lab.trainer import TrainConfig, advantages_and_stages, score_rollout, update_policy
+
+METHODS: dict[str, dict] = {
+    "GRPO": {},
+    "GRPO+AR": {"ar_alpha": 0.3},
+    "GRPO+Lopti": {"lopti_eta": 0.5},
+    "GRPO+AR+Lopti": {"ar_alpha": 0.3, "lopti_eta": 0.5},
+}
+"""The paper's four variants with its K&K settings (alpha = 0.3, eta = 0.5), as TrainConfig overrides."""
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the frozen-batch counterfactual
+
+
+@dataclass
+class FrozenBatch:
+    """One scored rollout, kept fixed so that several updates can be compared on it."""
+
+    puzzles: list[Puzzle]
+    rollout: Rollout
+    rewards: torch.Tensor
+    """(B,) Logic-RL totals."""
+    advantages: torch.Tensor
+    """(B,) GRPO advantages (before AR)."""
+    temperature: float
+
+
+def frozen_batch(
+    model,
+    tokenizer,
+    puzzles: Sequence[Puzzle],
+    group_size: int = 8,
+    *,
+    prompt_style: str = labmodel.LAB_PROMPT_STYLE,
+    temperature: float = 1.0,
+    max_new_tokens: int = 256,
+    seed: int = 0,
+    fast_path: str = "auto",
+) -> FrozenBatch:
+    """Sample G completions per puzzle (with rollout log-probs), score them and compute GRPO advantages."""
+    torch.manual_seed(seed)
+    prompts = [build_prompt(p, prompt_style, tokenizer) for p in puzzles]
+    rollout = sample(
+        model,
+        tokenizer,
+        prompts,
+        group_size,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        fast_path=fast_path,
+    )
+    totals = torch.tensor([r.total for r in score_rollout(rollout, puzzles)], device=rollout.response_ids.device)
+    return FrozenBatch(list(puzzles), rollout, totals, group_advantages(totals, group_size), temperature)
+
+
+@dataclass
+class Counterfactual:
+    """What each method's update did to the same batch."""
+
+    tokens: pd.DataFrame
+    """`probes.ProbabilityShift.tokens` of every method, with a `method` column."""
+    bins: pd.DataFrame
+    """Per (method, bin, sign): n_tokens, correct_ratio, delta_p quantiles (`theory.shift_summary`)."""
+    updates: pd.DataFrame
+    """Per method: optimizer steps taken and the mean gradient norm."""
+
+
+def counterfactual(
+    model,
+    batch: FrozenBatch,
+    methods: dict[str, dict] | None = None,
+    *,
+    lr: float = 1e-4,
+    optimizer: str = "sgd",
+    bins: Sequence[float] = DEFAULT_BINS,
+    base: TrainConfig | None = None,
+) -> Counterfactual:
+    """Apply each method's update to ``batch`` from the same weights; measure the probability shift; restore.
+
+    ``base`` supplies the update's settings (clip range, minibatch size, ...); by default one minibatch holds the whole
+    batch, so GRPO takes one optimizer step and Lopti two (low, then high). ``optimizer``: "sgd" shows gradient
+    sizes directly (the paper's Fig. 1 uses SGD), "adamw" is what training uses (its first step is sign-like).
+    The correct ratio compares each token's probability change with the sign of its advantage (AR never flips it).
+    """
+    methods = METHODS if methods is None else methods
+    if optimizer not in ("sgd", "adamw"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+    rollout = batch.rollout
+    if base is None:
+        prompts = len(rollout) // rollout.group_size
+        base = TrainConfig(
+            model="lab",
+            kl_coef=0.0,
+            minibatch_size=len(rollout),
+            prompts_per_step=prompts,
+            group_size=rollout.group_size,
+            temperature=batch.temperature,
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    token_advantages = batch.advantages[:, None].expand_as(rollout.response_mask)  # (B, T)
+    # the moves are measured between float64 forwards (probability_shift): a float32 probability near 1 hides them
+    measure = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, batch.temperature)
+    before = float64_logprobs(model, *measure)
+    shifts, updates = [], []
+    try:
+        for name, overrides in methods.items():
+            cfg = replace(base, lr=lr, **{"ar_alpha": None, "lopti_eta": None, **overrides})
+            opt = (
+                torch.optim.SGD(params, lr=lr)
+                if optimizer == "sgd"
+                else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+            )
+            weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, cfg)
+            stats = update_policy(model, opt, rollout, weighted, stages, cfg)
+            after = float64_logprobs(model, *measure)
+            shift = probability_shift(before, after, token_advantages, rollout.response_mask, bins)
+            shifts.append((name, shift))
+            updates.append(
+                {"method": name, "optimizer_steps": stats["update/optimizer_steps"], "grad_norm": stats["grad/norm"]}
+            )
+            with torch.no_grad():
+                for p, s in zip(params, saved, strict=True):
+                    p.copy_(s)
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved, strict=True):
+                p.copy_(s)
+    return Counterfactual(
+        tokens=pd.concat([s.tokens.assign(method=n) for n, s in shifts], ignore_index=True),
+        bins=pd.concat([s.bins.assign(method=n) for n, s in shifts], ignore_index=True),
+        updates=pd.DataFrame(updates),
+    )
+
+
+def attribution_tables(model, batch: FrozenBatch, bins: Sequence[float] = DEFAULT_BINS) -> pd.DataFrame:
+    """The gradient of the batch's GRPO loss (at ratio 1) split by probability bin, both ways (`probes` explains
+    them): "loss" follows each bin's token losses through the whole network, "position" splits every weight
+    gradient by the position the gradient passed through. One row per (attribution, bin)."""
+    from lopti_lab.probes import GradientProbe, bin_gradient_norms
+
+    rollout = batch.rollout
+    probs, mask = rollout.old_logp.exp(), rollout.response_mask  # (B, T)
+
+    def per_token_loss(before_forward=None):
+        logp, _ = response_logprobs(
+            model, rollout.input_ids, rollout.attention_mask, mask, batch.temperature, before_forward=before_forward
+        )
+        return -(batch.advantages[:, None] * logp) * mask / mask.sum()  # (B, T): the token-mean policy gradient
+
+    model.zero_grad(set_to_none=True)
+    loss_table = bin_gradient_norms(model, per_token_loss(), probs, mask, bins, attribution="loss")
+    with GradientProbe(model, bins=bins) as probe:
+        per_token_loss(lambda t: probe.set_tokens(probs[:, :t], mask[:, :t])).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return pd.concat([loss_table, probe.summary()], ignore_index=True)
