@@ -107,7 +107,8 @@ def counterfactual(
 
     ``base`` supplies the update's settings (clip range, minibatch size, ...); by default one minibatch holds the whole
     batch, so GRPO takes one optimizer step and Lopti two (low, then high). ``optimizer``: "sgd" shows gradient
-    sizes directly (the paper's Fig. 1 uses SGD), "adamw" is what training uses (its first step is sign-like).
+    sizes directly (the paper's Fig. 1 uses SGD), "adamw" is what training uses, with ``base``'s betas and epsilon
+    and no weight decay (its first step moves a parameter by lr * g / (|g| + eps): sign-like where eps << |g|).
     The correct ratio compares each token's probability change with the sign of its advantage (AR never flips it).
     """
     methods = METHODS if methods is None else methods
@@ -137,7 +138,7 @@ def counterfactual(
             opt = (
                 torch.optim.SGD(params, lr=lr)
                 if optimizer == "sgd"
-                else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+                else torch.optim.AdamW(params, lr=lr, betas=base.betas, eps=base.adam_eps, weight_decay=0.0)
             )
             weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, cfg)
             stats = update_policy(model, opt, rollout, weighted, stages, cfg)

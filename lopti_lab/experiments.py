@@ -3,23 +3,23 @@ report folder (accuracy tables, learning curves, the paper's figures during trai
 
     report = run_demo(DemoConfig(seeds=3))                                 # `lopti-lab demo --seeds 3`
 
-The frozen-batch counterfactual it reports beside the runs is ``lopti_lab.counterfactual`` (re-exported here).
+The frozen-batch counterfactual it reports beside the runs is ``lopti_lab.counterfactual``, the report folder
+``lopti_lab.demo_report`` (both re-exported here).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from lopti_lab import labmodel, plots, runs
+from lopti_lab import labmodel, runs
 from lopti_lab.checks import FieldCheck, is_int, rename_owner
 from lopti_lab.counterfactual import (  # noqa: F401  (re-exported: experiments.counterfactual etc. stay where they were)
     METHODS,
@@ -28,6 +28,12 @@ from lopti_lab.counterfactual import (  # noqa: F401  (re-exported: experiments.
     attribution_tables,
     counterfactual,
     frozen_batch,
+)
+from lopti_lab.demo_report import (  # noqa: F401  (re-exported: the report's parts stay reachable from here)
+    _markdown,
+    accuracy_table,
+    compare_methods,
+    write_report,
 )
 from lopti_lab.kk import load_split
 from lopti_lab.rollout import FAST_PATHS
@@ -190,7 +196,8 @@ def slug(method: str) -> str:
 
 
 def run_demo(config: DemoConfig) -> Path:
-    """Train every (method, seed), evaluate the warm start once, and write the report; returns the report folder."""
+    """Evaluate the warm start under every seed's sampling seed, train every (method, seed), and write the report;
+    returns the report folder."""
     from lopti_lab.models import load_policy
 
     if config.threads:
@@ -200,7 +207,9 @@ def run_demo(config: DemoConfig) -> Path:
     start = time.perf_counter()
     base = config.train_config(config.methods[0], 0, out / "runs" / "probe")  # validates before any work
     model, tokenizer = load_policy(config.model, lora=None)
-    warm = warm_start_eval(config, model, tokenizer)
+    # the warm start under each seed's evaluation seed: run s is compared with warm[s], and their mean over seeds
+    # is measured with the same sampling noise as the runs' (one evaluation of 200 puzzles has an SE of about 0.02)
+    warm = {seed: warm_start_eval(config, model, tokenizer, seed=seed) for seed in range(config.seeds)}
     batch = frozen_batch(
         model,
         tokenizer,
@@ -220,16 +229,18 @@ def run_demo(config: DemoConfig) -> Path:
         base=replace(base, prompts_per_step=len(batch.puzzles), minibatch_size=len(batch.rollout)),
     )
     del model
-    run_dirs = {}
+    run_dirs, reused = {}, 0
     for seed in range(config.seeds):
         for method in config.methods:
             run_dir = out / "runs" / f"{slug(method)}-seed{seed}"
             if _finished(run_dir, config.steps):
                 run_dirs[(method, seed)] = run_dir  # an earlier, complete run of the same report: keep it
+                reused += 1
                 continue
             train(config.train_config(method, seed, run_dir), resume=runs.RunFolder(run_dir).exists())
             run_dirs[(method, seed)] = run_dir
-    report = write_report(config, out, run_dirs, warm, shift, minutes=(time.perf_counter() - start) / 60)
+    minutes = (time.perf_counter() - start) / 60
+    report = write_report(config, out, run_dirs, warm, shift, minutes=minutes, reused=reused)
     return report
 
 
@@ -238,9 +249,9 @@ WARM_START_CACHE = "warm_start_evals.json"
 a minute of its budget (measured: 1.1 min) re-measuring a model that never changes (keyed by the weights' sha256)."""
 
 
-def warm_start_eval(config: DemoConfig, model, tokenizer) -> dict[str, float]:
-    """The warm start's test accuracy, with the same `evaluate` call as every run's final evaluation (sampling
-    seed 0, that of the seed-0 runs).
+def warm_start_eval(config: DemoConfig, model, tokenizer, seed: int = 0) -> dict[str, float]:
+    """The warm start's test accuracy, with the same `evaluate` call as the final evaluation of the runs of ``seed``
+    (whose sampling seed is the run's seed).
 
     For the bundled lab model the result is cached beside its weights, keyed by the weights' sha256 and every
     evaluation setting; `config.cache_warm_start=False` always measures afresh (and refreshes the cache)."""
@@ -250,7 +261,7 @@ def warm_start_eval(config: DemoConfig, model, tokenizer) -> dict[str, float]:
         "eval_samples": config.eval_samples,
         "max_new_tokens": config.max_new_tokens,
         "prompt_style": config.prompt_style(),
-        "seed": 0,
+        "seed": seed,
     }
     cache_file, key = None, None
     if config.model == "lab":
@@ -289,150 +300,6 @@ def _finished(run_dir: Path, steps: int) -> bool:
     on disk too). A run killed before that resumes (train's resume=True) and redoes what was not saved."""
     checkpoint = runs.latest_checkpoint(run_dir)
     return checkpoint is not None and checkpoint.name == f"step_{steps}"
-
-
-def accuracy_table(config: DemoConfig, run_dirs: dict, warm: dict, mode: str = "sample") -> pd.DataFrame:
-    """The paper's layout: one row per (model, seed) (warm start, + each method), one column per people count and
-    avg, and beside each its evaluation standard error (``{n}ppl_se``, ``avg_se``: `trainer.accuracy_se`; the
-    avg's from the independent people counts, sqrt(sum se^2) / k)."""
-    people = list(config.eval_people)
-    models = [("Lab model (warm start)", 0, warm)]
-    models += [(f"+ {m.replace('+', ' + ')}", seed, runs.load_metrics(d)[-1]) for (m, seed), d in run_dirs.items()]
-    rows = []
-    for model, seed, metrics in models:
-        row = {"model": model, "seed": seed}
-        for n in people:
-            row[f"{n}ppl"] = metrics[f"eval/{mode}/acc_{n}ppl"]
-            row[f"{n}ppl_se"] = metrics.get(f"eval/{mode}/acc_{n}ppl_se", math.nan)
-        rows.append(row)
-    frame = pd.DataFrame(rows)
-    frame["avg"] = frame[[f"{n}ppl" for n in people]].mean(axis=1)
-    frame["avg_se"] = (frame[[f"{n}ppl_se" for n in people]] ** 2).sum(axis=1, min_count=len(people)) ** 0.5 / len(
-        people
-    )
-    return frame
-
-
-def _markdown(mean: pd.DataFrame, std: pd.DataFrame | None) -> str:
-    """Cells "mean ± std over seeds" (``std`` given) or "accuracy ± its evaluation SE" (one seed)."""
-    columns = [c for c in mean.columns if not c.endswith("_se")]
-    if std is None and all(f"{c}_se" in mean.columns for c in columns):
-        std = mean[[f"{c}_se" for c in columns]].rename(columns=lambda c: c.removesuffix("_se"))
-    lines = [
-        "| " + " | ".join(["K&K accuracy (people)", *[c.removesuffix("ppl") for c in columns]]) + " |",
-        "|---" * (len(columns) + 1) + "|",
-    ]
-    for model, row in mean.iterrows():
-        spread = [None if std is None or pd.isna(std.loc[model, c]) else std.loc[model, c] for c in columns]
-        cells = [f"{row[c]:.2f}" + ("" if sd is None else f" ± {sd:.2f}") for c, sd in zip(columns, spread)]
-        lines.append(f"| {model} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_report(
-    config: DemoConfig, out: Path, run_dirs: dict, warm: dict, shift: Counterfactual, minutes: float
-) -> Path:
-    """Everything a reader needs from the demo, as files in ``out``: metrics.csv, accuracy_{sample,greedy}.{csv,md},
-    learning_curves.png, gradient_share.png, correct_ratio.png, counterfactual.csv, summary.json and report.md."""
-    long = runs.compare(list(run_dirs.values()))
-    long.to_csv(out / "metrics.csv", index=False)
-    tables, means = {}, {}
-    for mode in ("sample", "greedy"):
-        frame = accuracy_table(config, run_dirs, warm, mode)
-        frame.to_csv(out / f"accuracy_{mode}.csv", index=False)
-        grouped = frame.drop(columns="seed").groupby("model", sort=False)
-        means[mode] = grouped.mean()  # the _se columns: a single run's evaluation SE, averaged over seeds
-        std = grouped.std(ddof=1) if config.seeds > 1 else None  # sample std; NaN for the single warm-start row
-        tables[mode] = _markdown(means[mode], std) + _se_line(means[mode], config)
-        (out / f"accuracy_{mode}.md").write_text(tables[mode])
-    shift.bins.to_csv(out / "counterfactual.csv", index=False)
-    figures = {
-        "learning_curves.png": plots.learning_curves(
-            long, ["reward/mean", "acc/all", "len/response_mean", "policy/entropy"]
-        ),
-        "gradient_share.png": plots.gradient_share(long),
-        "correct_ratio.png": plots.fig2(shift=shift.bins),
-    }
-    if config.probe_every > 0:  # the probe steps' bins over training (Fig. 1a, 1d and 2b per step)
-        figures["mechanism.png"] = plots.mechanism_over_steps(long)
-    for name, fig in figures.items():
-        fig.savefig(out / name, dpi=110)
-    verdict = compare_methods(means["sample"], config)
-    summary = {
-        "config": asdict(config),
-        "minutes": minutes,
-        "warm_start": warm,
-        "verdict": verdict,
-        "accuracy_sample": means["sample"].to_dict(orient="index"),
-        "accuracy_greedy": means["greedy"].to_dict(orient="index"),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
-    (out / "report.md").write_text(_report_text(config, tables, verdict, minutes))
-    return out
-
-
-def _se_line(mean: pd.DataFrame, config: DemoConfig) -> str:
-    """Below a table: what the ± means, and with several seeds the evaluation's own SE of one run."""
-    if config.seeds == 1:
-        return "\n± is the evaluation's standard error (test puzzles as the unit: `trainer.accuracy_se`).\n"
-    runs_only = mean.drop(index="Lab model (warm start)", errors="ignore")
-    cells = ", ".join(f"{c.removesuffix('ppl_se')} people {runs_only[c].mean():.3f}"
-                      for c in runs_only.columns if c.endswith("ppl_se"))  # fmt: skip
-    return f"\n± is the std over seeds; one run's evaluation standard error, for scale: {cells}.\n"
-
-
-def compare_methods(mean: pd.DataFrame, config: DemoConfig) -> list[str]:
-    """Plain sentences: each method's average sampled accuracy against GRPO's and the warm start's."""
-    lines = []
-    warm = mean.loc["Lab model (warm start)", "avg"]
-    grpo_row = "+ GRPO"
-    for model, row in mean.iterrows():
-        if model == "Lab model (warm start)":
-            continue
-        line = f"{model.removeprefix('+ ')}: avg {row['avg']:.3f} ({row['avg'] - warm:+.3f} over the warm start"
-        if model != grpo_row and grpo_row in mean.index:
-            line += f", {row['avg'] - mean.loc[grpo_row, 'avg']:+.3f} over GRPO"
-        lines.append(line + ")")
-    if config.seeds == 1:
-        lines.append("One seed only: differences of a few points are within sampling noise (run --seeds 3).")
-    return lines
-
-
-def _report_text(config: DemoConfig, tables: dict, verdict: list[str], minutes: float) -> str:
-    seeds = f"{config.seeds} seed{'s' if config.seeds > 1 else ''}"
-    return f"""# lopti_lab demo: GRPO, AR and Lopti on the lab model
-
-{len(config.methods)} methods x {seeds}, {config.steps} RL steps each ({config.prompts_per_step} puzzles x
-{config.group_size} samples, {", ".join(map(str, config.train_people))} people), full fine-tuning of the lab model,
-{minutes:.1f} minutes in all. Test accuracy is the share of completions scoring 3 on the bundled test split
-({config.eval_size} puzzles per people count){"; mean ± std over seeds" if config.seeds > 1 else ""}.
-
-## Sampled at temperature 1.0 ({config.eval_samples} per puzzle)
-
-{tables["sample"]}
-## Greedy
-
-{tables["greedy"]}
-## What it shows
-
-{chr(10).join("- " + line for line in verdict)}
-
-Whether AR or Lopti beats GRPO at this scale is an experimental result of this run, not a claim: read the spread.
-
-## Figures
-
-- `learning_curves.png`: reward, training accuracy, response length and entropy per step (mean over seeds).
-- `gradient_share.png`: each probability bin's share of the tokens and of the gradient (the paper's Fig. 1a/1d).
-- `correct_ratio.png`: one update of each method on the same frozen batch from the warm start: the share of
-  positive-advantage tokens whose probability went up, per probability bin (the paper's Fig. 2b).
-- `mechanism.png`: the same quantities during training, at every probe step: each bin's share of the tokens and of
-  the gradient, and the correct ratio of the step's update among the tokens that moved (mean over seeds).
-
-![learning curves](learning_curves.png)
-![gradient share](gradient_share.png)
-![correct ratio](correct_ratio.png)
-{"![mechanism over training](mechanism.png)" if config.probe_every > 0 else ""}
-"""
 
 
 def add_cli(subparsers) -> None:

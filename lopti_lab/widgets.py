@@ -47,7 +47,8 @@ class Environment:
     """LoRA rank for hub models; None (full fine-tuning) for the tiny lab model."""
     prompt_style: str
     """"instruct" (the Logic-RL prompt) for Qwen; for the lab model the prompt its traces were trained on
-    (``labmodel.prompt_style_of``: "chat_quiz", the quiz alone, for the bundled one)."""
+    (``labmodel.prompt_style_of``: for the bundled one "chat_quiz_numfirst_bare", the quiz alone with each
+    person's number before their name)."""
     quick: bool
 
     def _repr_markdown_(self) -> str:
@@ -87,7 +88,7 @@ def training_defaults(env: Environment, steps: int | None = None):
 
     if env.model == "lab":
         demo = DemoConfig(quick=env.quick)
-        config = replace(demo.train_config("GRPO", 0, Path("runs") / "unnamed"), eval_every=0 if env.quick else 12)
+        config = replace(demo.train_config("GRPO", 0, Path("runs") / "unnamed"), eval_every=0 if env.quick else 5)
     else:
         config = TrainConfig(
             model=env.model,

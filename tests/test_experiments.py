@@ -66,6 +66,35 @@ def test_counterfactual_grpo_equals_one_hand_made_sgd_step(policy, batch):
     assert cf.updates.set_index("method").loc["GRPO", "optimizer_steps"] == 1
 
 
+def test_counterfactual_adamw_uses_the_runs_epsilon(policy, batch):
+    """Adam's first step moves a parameter by lr * g / (|g| + eps): with base.adam_eps far above every (clipped)
+    gradient it is SGD at lr / eps, so the two counterfactuals agree; at torch's default eps it is sign-like."""
+    from dataclasses import replace
+
+    from lopti_lab.trainer import TrainConfig
+
+    model, _ = policy
+    rollout = batch.rollout
+    base = TrainConfig(
+        model="lab",
+        kl_coef=0.0,
+        minibatch_size=len(rollout),
+        prompts_per_step=len(rollout) // rollout.group_size,
+        group_size=rollout.group_size,
+        temperature=batch.temperature,
+    )
+
+    def delta_p(optimizer, lr, eps):
+        cf = experiments.counterfactual(
+            model, batch, {"GRPO": {}}, lr=lr, optimizer=optimizer, base=replace(base, adam_eps=eps)
+        )
+        return torch.tensor(cf.tokens.sort_values(["seq", "pos"])["delta_p"].to_numpy())
+
+    sgd = delta_p("sgd", 0.5, 1e-8)
+    torch.testing.assert_close(delta_p("adamw", 0.5 * 1e5, 1e5), sgd, atol=1e-6, rtol=1e-3)
+    assert not torch.allclose(delta_p("adamw", 0.5 * 1e5, 1e-8), sgd, atol=1e-4)
+
+
 def test_counterfactual_methods_differ_and_lopti_takes_two_steps(policy, batch):
     model, _ = policy
     methods = {**experiments.METHODS, "AR(alpha=0)": {"ar_alpha": 0.0}}

@@ -148,3 +148,18 @@ def test_compare_panel_reads_run_folders(base, tmp_path):
     assert len(panel.output.outputs) == 2  # learning curves and the gradient shares (no evaluation in these runs)
     panel.runs.value = ()
     assert panel.show() is None
+
+
+def test_the_training_panel_on_a_cpu_runs_the_demos_grpo_with_an_evaluation_halfway():
+    """Notebook 04's Run on the lab model: the demo's GRPO settings (so its curves match the demo's), with test
+    evaluations at the middle and the end of the run instead of the end only."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from lopti_lab.experiments import DemoConfig
+
+    env = widgets.setup(quick=False, device="cpu")
+    config = widgets.training_defaults(env)
+    demo = DemoConfig().train_config("GRPO", 0, Path("runs") / "unnamed")
+    assert replace(config, eval_every=demo.eval_every) == demo
+    assert config.eval_every == 5 and config.steps == 10 and config.prompt_style == env.prompt_style

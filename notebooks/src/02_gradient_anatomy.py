@@ -6,10 +6,10 @@
 # bin, and reproduce the paper's Fig. 1 and Fig. 2 with our probes. At the end, one frozen batch is updated four
 # ways (GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti) from the same weights to see what each fix changes.
 #
-# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 63 s on this project's idle 2-core machine
-# (`jupyter nbconvert --execute`, kernel start included; 6 three-person puzzles x 8 samples), most of it in the
-# selective sweep, the attribution tables and the four-way counterfactual; on one GPU with Qwen2.5-1.5B-Instruct: not
-# measured.
+# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 247 s on this project's idle 2-core machine
+# (`jupyter nbconvert --execute`, kernel start included; 6 three-person puzzles x 8 samples of up to 512 tokens; the
+# previous lab model's shorter traces took 63 s), most of it in the selective sweep, the attribution tables and the
+# four-way counterfactual; on one GPU with Qwen2.5-1.5B-Instruct: not measured.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).

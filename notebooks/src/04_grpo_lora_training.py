@@ -27,9 +27,11 @@
 # how the update moved the tokens' probabilities (`shift/correct_pos_bin*`).
 #
 # **Run time** of a full run (QUICK = False): the cells take about 5 s on a laptop CPU (measured: 3.5 s of one core);
-# training starts when you press Run: the panel's default 20 steps, with evaluations at steps 12 and 20, took 9.8 min
-# of one core (36 min wall on the shared machine, load average about 7); on one GPU with Qwen2.5-1.5B-Instruct: not
-# measured.
+# training starts when you press Run. On a CPU the panel's default is the demo's GRPO run (10 steps of 8 puzzles x 8
+# samples on the lab model) with test evaluations at steps 5 and 10: the demo's own GRPO run, the same steps with one
+# evaluation, took 153 s on two threads of this project's 2-core machine, about 26 s of it the evaluation, and over
+# 5 seeds it lifted sampled accuracy on 2-3-person puzzles by 21-27 points (README, "The demo"). On one GPU with
+# Qwen2.5-1.5B-Instruct: not measured.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -104,7 +106,7 @@ if panel.result is not None:
 # The same run from a terminal:
 #
 # ```bash
-# lopti-lab train --model lab --lora-r none --prompt-style chat_quiz_numfirst_bare --ar 0.3 --lopti 0.5 --steps 15 \
+# lopti-lab train --model lab --lora-r none --prompt-style chat_quiz_numfirst_bare --ar 0.3 --lopti 0.5 --steps 10 \
 #     --train-people 2 3 --prompts-per-step 8 --group-size 8 --minibatch-size 32 --max-new-tokens 512 \
 #     --temperature 1.0 --lr 1e-3 --adam-eps 1e-3 --kl-coef 0 --run-dir runs/ar_lopti
 # lopti-lab eval --run runs/ar_lopti --people 2 3
