@@ -7,7 +7,7 @@
 #
 # **Run time** of a full run (QUICK = False): with runs already there (from notebook 04 or `lopti-lab demo`), about 5
 # s on a laptop CPU (measured: 4.8 s of one core, one run); with none, a cell first runs the demo, which took
-# 13 min on this project's 2-core machine (README, "The demo"); on one GPU: not measured.
+# 13-17 min on this project's 2-core machine (README, "The demo"); on one GPU: not measured.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -38,7 +38,7 @@ from lopti_lab import experiments, plots, runs, widgets
 
 # %% [markdown]
 # If there are no runs yet, this cell makes some: the lab demo trains GRPO, GRPO+AR, GRPO+Lopti and GRPO+AR+Lopti on
-# the same data and seeds (13 minutes on a 2-core CPU; seconds in QUICK mode).
+# the same data and seeds (13-17 minutes on a 2-core CPU; seconds in QUICK mode).
 
 # %%
 root = Path("runs")
