@@ -21,13 +21,14 @@ import numpy as np
 import pandas as pd
 import torch
 
+from lopti_lab.counterfactual import whole_batch_config
 from lopti_lab.experiments import METHODS, frozen_batch
 from lopti_lab.kk import load_split
 from lopti_lab.models import load_policy
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.rollout import response_logprobs
 from lopti_lab.theory import DEFAULT_BINS, bin_index
-from lopti_lab.trainer import TrainConfig, advantages_and_stages, update_policy
+from lopti_lab.trainer import advantages_and_stages, update_policy
 
 
 def measure(model, batch, lr: float, optimizer: str) -> pd.DataFrame:
@@ -36,15 +37,7 @@ def measure(model, batch, lr: float, optimizer: str) -> pd.DataFrame:
     args = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, batch.temperature)
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
-    base = TrainConfig(
-        model="lab",
-        kl_coef=0.0,
-        minibatch_size=len(rollout),
-        prompts_per_step=len(rollout) // rollout.group_size,
-        group_size=rollout.group_size,
-        temperature=batch.temperature,
-        lr=lr,
-    )
+    base = whole_batch_config(batch, lr=lr)
     with torch.no_grad():
         old32 = response_logprobs(model, *args)[0]
     old64 = float64_logprobs(model, *args)

@@ -93,6 +93,21 @@ class Counterfactual:
     """Per method: optimizer steps taken and the mean gradient norm."""
 
 
+def whole_batch_config(batch: FrozenBatch, **overrides) -> TrainConfig:
+    """The update settings of one pass over ``batch`` as a single minibatch, no KL (``overrides`` replace fields):
+    GRPO then takes one optimizer step, Lopti two."""
+    rollout = batch.rollout
+    settings = {
+        "model": "lab",
+        "kl_coef": 0.0,
+        "minibatch_size": len(rollout),
+        "prompts_per_step": len(rollout) // rollout.group_size,
+        "group_size": rollout.group_size,
+        "temperature": batch.temperature,
+    }
+    return TrainConfig(**{**settings, **overrides})
+
+
 def counterfactual(
     model,
     batch: FrozenBatch,
@@ -115,16 +130,7 @@ def counterfactual(
     if optimizer not in ("sgd", "adamw"):
         raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
     rollout = batch.rollout
-    if base is None:
-        prompts = len(rollout) // rollout.group_size
-        base = TrainConfig(
-            model="lab",
-            kl_coef=0.0,
-            minibatch_size=len(rollout),
-            prompts_per_step=prompts,
-            group_size=rollout.group_size,
-            temperature=batch.temperature,
-        )
+    base = whole_batch_config(batch) if base is None else base
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
     token_advantages = batch.advantages[:, None].expand_as(rollout.response_mask)  # (B, T)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,7 @@ def t_cdf(x: float, df: int) -> float:
     return 0.5 + math.copysign(half, x)
 
 
+@cache  # a report asks for the same few (0.975, n - 1) quantiles once per table cell
 def t_quantile(p: float, df: int) -> float:
     """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on `t_cdf`, to 1e-9)."""
     if not 0.5 <= p < 1:
@@ -320,8 +322,12 @@ def write_report(
         "paired_vs_grpo_sample_avg": paired.to_dict(orient="index"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
-    parts = {"gains": _gains_markdown(gains), "frozen": _frozen_batch_markdown(shift.bins), "mechanism": mechanism}
-    parts["reused"] = reused
+    parts = {
+        "gains": _gains_markdown(gains),
+        "frozen": _frozen_batch_markdown(shift.bins),
+        "mechanism": mechanism,
+        "reused": reused,
+    }
     (out / "report.md").write_text(_report_text(config, tables, parts, verdict, minutes))
     return out
 

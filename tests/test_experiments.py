@@ -69,24 +69,13 @@ def test_counterfactual_grpo_equals_one_hand_made_sgd_step(policy, batch):
 def test_counterfactual_adamw_uses_the_runs_epsilon(policy, batch):
     """Adam's first step moves a parameter by lr * g / (|g| + eps): with base.adam_eps far above every (clipped)
     gradient it is SGD at lr / eps, so the two counterfactuals agree; at torch's default eps it is sign-like."""
-    from dataclasses import replace
-
-    from lopti_lab.trainer import TrainConfig
+    from lopti_lab.counterfactual import whole_batch_config
 
     model, _ = policy
-    rollout = batch.rollout
-    base = TrainConfig(
-        model="lab",
-        kl_coef=0.0,
-        minibatch_size=len(rollout),
-        prompts_per_step=len(rollout) // rollout.group_size,
-        group_size=rollout.group_size,
-        temperature=batch.temperature,
-    )
 
     def delta_p(optimizer, lr, eps):
         cf = experiments.counterfactual(
-            model, batch, {"GRPO": {}}, lr=lr, optimizer=optimizer, base=replace(base, adam_eps=eps)
+            model, batch, {"GRPO": {}}, lr=lr, optimizer=optimizer, base=whole_batch_config(batch, adam_eps=eps)
         )
         return torch.tensor(cf.tokens.sort_values(["seq", "pos"])["delta_p"].to_numpy())
 
