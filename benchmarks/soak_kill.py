@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(soak("train", args.kills, command, work / "train", seed=args.seed, slow=args.slow_io,
                                 finished_step=args.steps, kinds=kinds))  # fmt: skip
         if args.demo_kills:
-            demo = ["demo", "--quick", "--out", "demo", "--threads", "1"]
+            # one process: the kill shim traces this process's writes (worker processes: tests/test_experiments.py)
+            demo = ["demo", "--quick", "--out", "demo", "--threads", "1", "--workers", "1"]
             results.append(soak("demo", args.demo_kills, demo, work / "demo", seed=args.seed + 1, slow=args.slow_io,
                                 finished_step=2, kinds=kinds))  # fmt: skip
         seconds = time.monotonic() - start

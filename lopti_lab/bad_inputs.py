@@ -126,6 +126,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "methods": [("unknown method", ("PPO",)), ("empty", ()), ("repeated", ("GRPO", "GRPO"))],
         "model": [("no such folder", "no/such/model/folder")],
         "threads": [("out of range", 0)],
+        "workers": [("out of range", 0)],
         "fast_path": [("not a choice", "fast")],
     },
     "PretrainConfig": {

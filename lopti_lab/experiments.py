@@ -37,6 +37,7 @@ from lopti_lab.demo_report import (  # noqa: F401  (re-exported: the report's pa
 )
 from lopti_lab.kk import load_split
 from lopti_lab.rollout import FAST_PATHS
+from lopti_lab.run_pool import RunPool
 from lopti_lab.trainer import TrainConfig, evaluate, train
 
 PAPER_TABLE = pd.DataFrame(
@@ -73,8 +74,8 @@ class DemoConfig:
     on the bundled lab model"), on 2-3-person puzzles with rollouts at T = 1.0, by sampled test accuracy on the 2-3
     mix (warm start 0.674): at Adam's usual eps of 1e-8, lr 5e-5 gave 0.74 after 20 steps and 2e-4 0.76, while 5e-4
     and 1e-3 broke the model within two steps; with eps 1e-3, lr 1e-3 gave 0.853 and 0.885 after 10 steps (two
-    seeds) and 0.913 after 20, and lr 2e-3 broke it again. 10 steps of four methods fit the 15-minute budget on two
-    CPU cores.
+    seeds) and 0.913 after 20, and lr 2e-3 broke it again. 10 steps of the four methods took 10.5-11.5 minutes on
+    two CPU cores, two runs at a time (README, "The demo").
     """
 
     out: str = "reports/demo"
@@ -84,7 +85,8 @@ class DemoConfig:
     quick: bool = False
     """a two-minute smoke version (tests): 2 steps, small evaluation"""
     steps: int = 10
-    """RL steps per run (15 steps of the four methods took 20 min on two cores, 10 take about 13)"""
+    """RL steps per run (15 steps of the four methods took 20 min on two cores in one process; 10 took 10.5-11.5 in
+    two workers on 2026-12-02, README "The demo")"""
     prompts_per_step: int = 8
     group_size: int = 8
     lr: float = 1e-3
@@ -118,7 +120,11 @@ class DemoConfig:
     methods: tuple[str, ...] = tuple(METHODS)
     model: str = "lab"
     threads: int | None = None
-    """torch threads (None: torch's default)"""
+    """torch threads of the demo (None: torch's default), shared out among the workers"""
+    workers: int = 2
+    """runs trained at once, each in a process of its own with threads // workers torch threads (at least 1); 1
+    trains them one after another in this process. Two one-thread processes decode 1.27x as many rollouts per second
+    on two cores as one two-thread process (benchmarks/README.md, "Demo wall time")"""
     fast_path: str = "auto"
     """the decoder and log-prob path of every run and the warm-start evaluation (`rollout.FAST_PATHS`; "hf" is the
     path before the lean decode, for timing it side by side)"""
@@ -145,6 +151,7 @@ class DemoConfig:
         check.items("methods", lambda m: m in METHODS, f"methods from {list(METHODS)}", distinct=True)
         check.text("model")
         check.integer("threads", low=1, optional=True)
+        check.integer("workers", low=1)
         check.choice("fast_path", FAST_PATHS)
         if self.quick:  # every code path once, on the smallest batches that exercise it (tests, notebook QUICK)
             self.steps, self.prompts_per_step, self.group_size, self.eval_size, self.eval_samples = 2, 4, 4, 8, 1
@@ -198,14 +205,43 @@ def slug(method: str) -> str:
 def run_demo(config: DemoConfig) -> Path:
     """Evaluate the warm start under every seed's sampling seed, train every (method, seed), and write the report;
     returns the report folder."""
-    from lopti_lab.models import load_policy
-
     if config.threads:
         torch.set_num_threads(config.threads)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     base = config.train_config(config.methods[0], 0, out / "runs" / "probe")  # validates before any work
+    run_dirs = {(m, s): out / "runs" / f"{slug(m)}-seed{s}" for s in range(config.seeds) for m in config.methods}
+    todo = [key for key, run_dir in run_dirs.items() if not _finished(run_dir, config.steps)]
+    reused = len(run_dirs) - len(todo)  # earlier, complete runs of the same report are kept
+    pool, threads_before = None, torch.get_num_threads()
+    if config.workers > 1 and todo:  # the runs start now; this process meanwhile measures the frozen batch
+        threads = max(1, (config.threads or torch.get_num_threads()) // config.workers)
+        torch.set_num_threads(threads)
+        pool = RunPool(config, {key: run_dirs[key] for key in todo}, threads)
+    try:
+        warm, shift = _warm_start_and_counterfactual(config, base)
+    except BaseException:
+        if pool is not None:
+            pool.stop()
+        raise
+    finally:
+        torch.set_num_threads(threads_before)
+    if pool is None:
+        for method, seed in todo:
+            run_dir = run_dirs[(method, seed)]
+            train(config.train_config(method, seed, run_dir), resume=runs.RunFolder(run_dir).exists())
+    else:
+        pool.wait()
+    minutes = (time.perf_counter() - start) / 60
+    report = write_report(config, out, run_dirs, warm, shift, minutes=minutes, reused=reused)
+    return report
+
+
+def _warm_start_and_counterfactual(config: DemoConfig, base: TrainConfig) -> tuple[dict, Counterfactual]:
+    """The warm start's evaluation under each seed, and one update of every method on a frozen batch."""
+    from lopti_lab.models import load_policy
+
     model, tokenizer = load_policy(config.model, lora=None)
     # the warm start under each seed's evaluation seed: run s is compared with warm[s], and their mean over seeds
     # is measured with the same sampling noise as the runs' (one evaluation of 200 puzzles has an SE of about 0.02)
@@ -228,20 +264,7 @@ def run_demo(config: DemoConfig) -> Path:
         optimizer="adamw",
         base=replace(base, prompts_per_step=len(batch.puzzles), minibatch_size=len(batch.rollout)),
     )
-    del model
-    run_dirs, reused = {}, 0
-    for seed in range(config.seeds):
-        for method in config.methods:
-            run_dir = out / "runs" / f"{slug(method)}-seed{seed}"
-            if _finished(run_dir, config.steps):
-                run_dirs[(method, seed)] = run_dir  # an earlier, complete run of the same report: keep it
-                reused += 1
-                continue
-            train(config.train_config(method, seed, run_dir), resume=runs.RunFolder(run_dir).exists())
-            run_dirs[(method, seed)] = run_dir
-    minutes = (time.perf_counter() - start) / 60
-    report = write_report(config, out, run_dirs, warm, shift, minutes=minutes, reused=reused)
-    return report
+    return warm, shift
 
 
 WARM_START_CACHE = "warm_start_evals.json"
@@ -310,7 +333,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="a two-minute smoke run")
     p.add_argument("--steps", type=int, default=None, help=f"RL steps per run (default {d['steps']})")
     p.add_argument("--methods", nargs="+", default=None, help=f"a subset of {', '.join(METHODS)}")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads in all (default: torch's)")
+    p.add_argument(
+        "--workers", type=int, default=None, help=f"runs trained at once, one process each (default {d['workers']})"
+    )
     p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {d['lr']:g})")
     p.add_argument(
         "--temperature", type=float, default=None, help=f"rollout temperature (default {d['temperature']:g})"
@@ -339,7 +365,7 @@ def add_cli(subparsers) -> None:
 
 def _cli_demo(args) -> int:
     names = ("steps", "lr", "temperature", "ppo_epochs", "fast_path", "model", "max_new_tokens", "train_people",
-             "eval_people", "eval_size")  # fmt: skip
+             "eval_people", "eval_size", "workers")  # fmt: skip
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.methods:
         overrides["methods"] = tuple(args.methods)

@@ -377,6 +377,14 @@ def _probe_tokens(probe: GradientProbe | None, rollout: Rollout, rows: slice) ->
     return lambda t: probe.set_tokens(rollout.old_logp[rows, :t].exp(), rollout.response_mask[rows, :t])
 
 
+def _acting_rows(acting: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of a micro-batch that have a token with a gradient, acting (b, T) bool, and for each of them the
+    response mask cut after its last such token (k, T): the forward those tokens need (causal attention)."""
+    reach = acting.flip(1).cumsum(1).flip(1) > 0  # (b, T): up to and including the row's last acting token
+    rows = acting.any(1).nonzero()[:, 0]  # (k,)
+    return rows, (response_mask * reach)[rows]
+
+
 def update_policy(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -393,6 +401,11 @@ def update_policy(
     inside a Lopti stage (the paper's code). A non-finite loss or gradient norm skips that optimizer step, zeroes
     the gradients and ends the step's updates (``skipped/nonfinite`` = 1). An attached ``probe`` gets each
     micro-batch's rollout probabilities before its forward and records the per-bin gradients of its backward.
+
+    Only the stage's tokens with a nonzero advantage (every stage token when a KL term acts) have a gradient: the
+    diagnostics (approx_kl, clip fractions, kl) are means over those, and, when pi_old is given and no probe is
+    attached, the forwards skip the rest (``_acting_rows``): a group whose rewards are all equal is not run at all,
+    and each row stops at its last such token. The gradient is the same sum, less its exact zeros.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     micro = config.micro_batch_size or config.minibatch_size
@@ -403,19 +416,28 @@ def update_policy(
     keys = ("approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl", "tokens", "loss", "entropy")
     sums = {key: torch.zeros((), device=input_ids.device) for key in keys}
     grad_norms, n_steps, nonfinite = [], 0, False
+    with_kl = rollout.ref_logp is not None and config.kl_coef != 0.0
+    trim = not on_policy and probe is None  # on-policy: every row's forward is pi_old and its entropy
     model.train()
     try:
         for _name, stage_mask, rows in _schedule(stages, len(rollout), config.minibatch_size, config.ppo_epochs):
             denom = rollout.response_mask[rows].sum()  # all response tokens of the minibatch, whatever the stage
             optimizer.zero_grad(set_to_none=True)
-            minibatch_loss = torch.zeros((), device=input_ids.device)
+            minibatch_loss, ran = torch.zeros((), device=input_ids.device), False
             for start in range(rows.start, rows.stop, micro):
                 m = slice(start, start + micro)
+                acting = stage_mask[m].bool() if with_kl else stage_mask[m].bool() & (advantages[m] != 0)  # (b, T)
+                r, reach = m, rollout.response_mask[m]  # the rows run and their response columns
+                if trim:
+                    kept, reach = _acting_rows(acting, reach)
+                    if len(kept) == 0:
+                        continue  # no token of this micro-batch has a gradient
+                    r, acting = kept + start, acting[kept]
                 logp, entropy = response_logprobs(
                     model,
-                    input_ids[m],
-                    attention_mask[m],
-                    rollout.response_mask[m],
+                    input_ids[r],
+                    attention_mask[r],
+                    reach,
                     config.temperature,
                     with_entropy=on_policy,
                     before_forward=_probe_tokens(probe, rollout, m),
@@ -425,21 +447,25 @@ def update_policy(
                     sums["entropy"] += (entropy * rollout.response_mask[m]).sum()
                 loss, stats = policy_loss(
                     logp,
-                    logp.detach() if on_policy else rollout.old_logp[m],
-                    advantages[m],
-                    stage_mask[m],
+                    logp.detach() if on_policy else rollout.old_logp[r],
+                    advantages[r],
+                    acting,
                     clip_low=config.clip_low,
                     clip_high=config.clip_high,
                     dual_clip=config.dual_clip,
-                    ref_logp=None if rollout.ref_logp is None else rollout.ref_logp[m],
+                    ref_logp=None if rollout.ref_logp is None else rollout.ref_logp[r],
                     kl_coef=config.kl_coef,
                     denom=denom,
                 )
                 loss.backward()
+                ran = True
                 minibatch_loss += loss.detach()
                 for key in ("approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl"):
                     sums[key] += stats[key] * stats["tokens"]
                 sums["tokens"] += stats["tokens"]
+            if not ran:  # every forward skipped: the step is still taken, on the zero gradient a backward gives
+                for p in params:
+                    p.grad = torch.zeros_like(p)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip or math.inf)
             if not (torch.isfinite(minibatch_loss) and torch.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
@@ -509,9 +535,9 @@ def train_step(
     needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or cfg.optimizer_steps_per_stage > 1
     # The lean decoder's sampling logits give pi_old for free: the rollout policy at the sampling temperature, which
     # is what the ratio's denominator is (PAPER.md §2), equal to a forward's log-probs to float32 rounding
-    # (tests/test_decode.py). A probe step still takes them from a forward, so that its before/after probability
-    # shift compares two forwards' identical arithmetic.
-    from_decode = needs_old and not probe and use_lean(model, cfg.fast_path)
+    # (tests/test_decode.py). A probe step too: its probability shift compares two float64 forwards of its own
+    # (shift_logprobs), and pi_old only bins the tokens.
+    from_decode = needs_old and use_lean(model, cfg.fast_path)
     t0 = time.perf_counter()
     prompts = [build_prompt(p, cfg.prompt_style, tokenizer) for p in puzzles]
     rollout = sample(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lopti_lab.trainer as trainer
-from lopti_lab import experiments
+from lopti_lab import experiments, runs
 from lopti_lab.kk import load_split
 from lopti_lab.models import LoraSpec, load_policy
 from lopti_lab.objective import group_advantages
@@ -137,7 +137,7 @@ def test_demo_quick_writes_every_report_file(tmp_path):
     # CPU seconds of this process (torch runs one thread in the tests): the other test worker shares the two cores,
     # which stretches wall time but not this; `lopti-lab demo --quick` alone took 87 s of wall time here
     start = time.process_time()
-    out = experiments.run_demo(experiments.DemoConfig(quick=True, out=str(tmp_path / "demo")))
+    out = experiments.run_demo(experiments.DemoConfig(quick=True, workers=1, out=str(tmp_path / "demo")))
     elapsed = time.process_time() - start
     for name in (
         "report.md",
@@ -161,8 +161,33 @@ def test_demo_quick_writes_every_report_file(tmp_path):
     assert elapsed < 120, f"demo --quick took {elapsed:.0f} CPU seconds"
     # a second call reuses the finished runs instead of training again
     again = time.process_time()
-    experiments.run_demo(replace(experiments.DemoConfig(quick=True, out=str(out))))
+    experiments.run_demo(replace(experiments.DemoConfig(quick=True, workers=1, out=str(out))))
     assert time.process_time() - again < elapsed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LAB.is_file(), reason="needs the bundled lab model")
+def test_demo_runs_in_worker_processes_equal_the_same_runs_in_this_process(tmp_path):
+    """Two worker processes of one thread train the same runs as this process does at one thread, record for
+    record (timings aside), and the report names every run."""
+    methods = ("GRPO", "GRPO+AR+Lopti")
+    reports = {
+        workers: experiments.run_demo(
+            experiments.DemoConfig(quick=True, workers=workers, methods=methods, out=str(tmp_path / f"w{workers}"))
+        )
+        for workers in (1, 2)
+    }
+    assert torch.get_num_threads() == 1  # the pool's thread setting was put back
+    for method in methods:
+        records = {}
+        for workers, out in reports.items():
+            run_dir = out / "runs" / f"{experiments.slug(method)}-seed0"
+            records[workers] = [
+                {k: v for k, v in r.items() if not k.startswith("time/")} for r in runs.load_metrics(run_dir)
+            ]
+        assert len(records[1]) == 2, method
+        assert json.dumps(records[1], sort_keys=True) == json.dumps(records[2], sort_keys=True), method  # NaN too
+    assert "GRPO + AR + Lopti" in (reports[2] / "accuracy_sample.csv").read_text()
 
 
 @pytest.mark.skipif(not LAB.is_file(), reason="needs the bundled lab model")
@@ -282,3 +307,55 @@ def test_the_demo_prompts_a_lab_model_folder_in_the_style_its_trace_was_trained_
     assert bundled.train_config("GRPO", 0, tmp_path / "r").prompt_style == lab_prompt_style(RL_TRACE)
     assert lab_prompt_style(RL_TRACE) == LAB_PROMPT_STYLE == "chat_quiz_numfirst_bare"
     assert experiments.DemoConfig(model=str(tmp_path), out=str(tmp_path / "demo")).prompt_style() == LAB_PROMPT_STYLE
+
+
+def test_a_run_that_fails_in_a_worker_raises_here_and_stops_the_pool(tmp_path):
+    """The worker's error reaches the caller with its message, and no worker process is left behind."""
+    import multiprocessing
+
+    from lopti_lab.run_pool import RunPool
+
+    config = experiments.DemoConfig(quick=True, methods=("GRPO",), out=str(tmp_path / "demo"))
+    blocked = tmp_path / "a-file-not-a-folder"
+    blocked.write_text("")
+    pool = RunPool(config, {("GRPO", 0): blocked / "grpo-seed0"}, threads=1)  # a folder inside a file
+    with pytest.raises(OSError, match="a-file-not-a-folder"):
+        pool.wait()
+    assert not multiprocessing.active_children()
+
+
+def test_workers_end_when_the_demo_is_killed(tmp_path):
+    """SIGKILL the process that owns a RunPool: its workers end within seconds (no orphan keeps training a run that
+    the demo, called again, resumes)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import sys
+from pathlib import Path
+from lopti_lab import experiments
+from lopti_lab.run_pool import RunPool
+config = experiments.DemoConfig(quick=True, methods=("GRPO", "GRPO+AR"), out={str(tmp_path / "demo")!r})
+pool = RunPool(config, {{(m, 0): Path(config.out) / m for m in config.methods}}, threads=1)
+print(*pool.pids, flush=True)
+pool.wait()
+"""
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    workers = [int(pid) for pid in owner.stdout.readline().split()]
+    assert len(workers) == 2
+    time.sleep(3.0)  # the workers are importing or training
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()  # a zombie has ended
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 20.0
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in workers)

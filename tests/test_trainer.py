@@ -5,6 +5,7 @@ The tiny random model never solves a puzzle, so the runs score completions with 
 3 or -0.5) that gives groups nonzero advantages; the real reward has its own tests (test_kk_reward.py).
 """
 
+import itertools
 import json
 import math
 from dataclasses import replace
@@ -17,7 +18,7 @@ import lopti_lab.trainer as trainer
 from lopti_lab import runs
 from lopti_lab.kk import Reward, load_split
 from lopti_lab.models import LoraSpec, load_policy, trainable_state_dict
-from lopti_lab.trainer import TrainConfig, evaluate, train, train_step
+from lopti_lab.trainer import TrainConfig, evaluate, train, train_step, update_policy
 
 VARIANTS = {
     "GRPO": {},
@@ -103,9 +104,11 @@ def test_two_steps_train_the_adapter_only(config, model_dir, method):
 
 @pytest.mark.parametrize("order", ["low_first", "high_first"])
 def test_lopti_updates_all_low_minibatches_then_all_high(config, monkeypatch, order):
-    """Spies: the stage masks that reach policy_loss, the old_logp they see, and optimizer.step calls."""
-    stage_masks, calls, steps = {}, [], []
+    """Spies: the stage masks that reach policy_loss, the old_logp they see, and optimizer.step calls. Each call
+    gets the stage's tokens with a nonzero advantage, on the rows that have one (the update skips the rest)."""
+    stage_masks, calls, steps, seen = {}, [], [], {}
     real_stages, real_loss, real_step = trainer.lopti_stages, trainer.policy_loss, torch.optim.AdamW.step
+    real_split = trainer.advantages_and_stages
     n_reweight = []
 
     def spy_stages(old_logp, mask, eta, order):
@@ -113,8 +116,12 @@ def test_lopti_updates_all_low_minibatches_then_all_high(config, monkeypatch, or
         stage_masks.update({name: m for name, m in stages})
         return stages
 
+    def spy_split(rollout, advantages, cfg):
+        seen.update(old_logp=rollout.old_logp.clone(), advantages=advantages.clone())
+        return real_split(rollout, advantages, cfg)
+
     def spy_loss(logp, old_logp, advantages, mask, **kw):
-        calls.append((mask.clone(), old_logp.data_ptr(), kw["denom"].item()))
+        calls.append((mask.clone(), old_logp.clone(), kw["denom"].item()))
         return real_loss(logp, old_logp, advantages, mask, **kw)
 
     def spy_step(self, *args, **kwargs):
@@ -127,20 +134,33 @@ def test_lopti_updates_all_low_minibatches_then_all_high(config, monkeypatch, or
 
     trainer_reweight = trainer.reweight_advantages
     monkeypatch.setattr(trainer, "lopti_stages", spy_stages)
+    monkeypatch.setattr(trainer, "advantages_and_stages", spy_split)
     monkeypatch.setattr(trainer, "policy_loss", spy_loss)
     monkeypatch.setattr(torch.optim.AdamW, "step", spy_step)
     monkeypatch.setattr(trainer, "reweight_advantages", spy_reweight)
-    cfg = replace(config, ar_alpha=0.3, lopti_eta=0.5, lopti_order=order, steps=1, eval_people=())
+    # eta near the random tiny model's median token probability (about 1 / 300), so both stages get tokens
+    cfg = replace(config, ar_alpha=0.3, lopti_eta=0.003, lopti_order=order, steps=1, eval_people=())
     result = train(cfg)
 
     first, second = ("low", "high") if order == "low_first" else ("high", "low")
-    expected = [stage_masks[first][0:4], stage_masks[first][4:8], stage_masks[second][0:4], stage_masks[second][4:8]]
-    assert len(calls) == 4 and all(torch.equal(c[0], e) for c, e in zip(calls, expected, strict=True))
-    assert steps == [1, 2, 3, 4]  # one optimizer step after each minibatch, 2 per stage
+    moving = seen["advantages"] != 0  # (B,)
+    expected = []  # per minibatch in update order: (stage tokens with a gradient, their rows)
+    for name in (first, second):
+        for rows in (slice(0, 4), slice(4, 8)):
+            acting = stage_masks[name][rows].bool() & moving[rows, None]  # (4, T)
+            kept = acting.any(1).nonzero()[:, 0] + rows.start
+            expected.append((acting[kept - rows.start], kept))
+    ran = [e for e in expected if len(e[1])]
+    assert all(m.any() for m in stage_masks.values()) and len(ran) == 4  # every minibatch of both stages ran
+    assert len(calls) == len(ran)
+    for (mask, old_logp, _), (acting, kept) in zip(calls, ran, strict=True):
+        assert torch.equal(mask.bool(), acting)
+        assert torch.equal(old_logp, seen["old_logp"][kept])  # both stages read pi_old from before the update
+    assert steps == list(itertools.accumulate(int(len(kept) > 0) for _, kept in expected))  # 2 steps per stage
     assert result.history[0]["update/optimizer_steps"] == 4
-    assert calls[0][1] == calls[2][1] and calls[1][1] == calls[3][1]  # stage 2 reads the same old_logp tensor
     full = [(stage_masks["low"] + stage_masks["high"])[rows].sum().item() for rows in (slice(0, 4), slice(4, 8))]
-    assert [c[2] for c in calls] == full + full  # each stage's token mean divides by ALL response tokens
+    denoms = [d for (_, kept), d in zip(expected, full + full, strict=True) if len(kept)]
+    assert [c[2] for c in calls] == denoms  # each stage's token mean divides by ALL response tokens
     assert len(n_reweight) == 1  # AR weights computed once per step, shared by both stages
 
 
@@ -470,3 +490,78 @@ def test_warmup_ramps_the_learning_rate_and_resume_continues_it(config, tmp_path
     train(replace(cfg, steps=2, run_dir=str(folder)))
     train(replace(cfg, run_dir=str(folder)), resume=True)
     assert seen == pytest.approx([1e-3 / 3, 1e-3 / 3, 2e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3, 1e-3])
+
+
+@pytest.mark.parametrize("method", ["GRPO", "GRPO+AR+Lopti"])
+def test_update_runs_only_rows_with_a_gradient_and_moves_weights_as_the_full_update(method, monkeypatch):
+    """update_policy skips the rows whose advantage is zero (a group with equal rewards) and each row's columns after
+    its last token with a gradient. Against a naive update (every row's plain HF forward with the stage masks as they
+    are, one SGD step per minibatch) it ends at the same weights, having forwarded fewer rows."""
+    from lopti_lab.objective import lopti_stages, reweight_advantages
+    from lopti_lab.rollout import Rollout
+
+    torch.manual_seed(0)
+    vocab, group, n_prompts, P, T = 300, 4, 4, 6, 9
+    B = group * n_prompts
+    prompt_ids = torch.randint(3, vocab, (B // group, P)).repeat_interleave(group, 0)  # (B, P)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[:group, :2] = 0  # the first prompt is left-padded
+    lengths = torch.randint(2, T + 1, (B,))
+    response_mask = (torch.arange(T)[None] < lengths[:, None]).float()  # (B, T)
+    response_ids = torch.randint(3, vocab, (B, T)) * response_mask.long()
+    advantages = torch.randn(B)
+    advantages[group : 2 * group] = 0.0  # a group whose rewards were all equal
+    advantages[3 * group + 1] = 0.0  # and one row (only the group's mean of rewards matters to the test)
+    extra = {"ar_alpha": 0.3, "lopti_eta": 0.003} if method == "GRPO+AR+Lopti" else {}
+    cfg = TrainConfig(
+        model="lab", lora_r=None, prompts_per_step=n_prompts, group_size=group, minibatch_size=8, micro_batch_size=4,
+        grad_clip=None, kl_coef=0.0, temperature=0.9, **extra,
+    )  # fmt: skip
+
+    def naive_logp(model, ids, mask):  # (b, T) from a plain HF forward of the whole rows
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, P - 1 : -1]
+        return torch.log_softmax(logits.double() / cfg.temperature, -1).gather(-1, ids[:, P:, None])[..., 0].float()
+
+    ids, mask = torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask.long()], 1)
+    model = tiny_qwen2(vocab)
+    with torch.no_grad():
+        old_logp = naive_logp(model, ids, mask) * response_mask
+    token_adv = advantages[:, None].expand(B, T)
+    stages = [("all", response_mask)]
+    if extra:
+        token_adv = reweight_advantages(advantages, old_logp, 0.3)
+        stages = lopti_stages(old_logp, response_mask, 0.003, "low_first")
+        assert all(0 < s.sum() < response_mask.sum() for _, s in stages)
+
+    naive = tiny_qwen2(vocab)
+    sgd = torch.optim.SGD(naive.parameters(), lr=0.5)
+    for _, stage in stages:
+        for rows in (slice(0, 8), slice(8, 16)):
+            sgd.zero_grad()
+            logp = naive_logp(naive, ids[rows], mask[rows])
+            loss, _ = trainer.policy_loss(
+                logp, old_logp[rows], token_adv[rows], stage[rows], clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                dual_clip=cfg.dual_clip, denom=response_mask[rows].sum(),
+            )  # fmt: skip
+            loss.backward()
+            sgd.step()
+
+    forwarded, real_forward = [], trainer.response_logprobs
+
+    def counting_forward(model, input_ids, *args, **kwargs):
+        forwarded.append(len(input_ids))
+        return real_forward(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "response_logprobs", counting_forward)
+    finished = torch.ones(B, dtype=torch.bool)
+    rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, [""] * B, group, finished, old_logp)
+    metrics = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.5), rollout, token_adv, stages, cfg)
+
+    assert metrics["update/optimizer_steps"] == 2 * len(stages)
+    assert sum(forwarded) < B * len(stages)  # the zero-advantage rows were never run
+    moved = 0.0
+    for (name, ours), theirs in zip(model.named_parameters(), naive.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5, msg=name)
+        moved = max(moved, (theirs - tiny_qwen2(vocab).get_parameter(name)).abs().max().item())
+    assert moved > 1e-3

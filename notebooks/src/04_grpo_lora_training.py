@@ -29,8 +29,9 @@
 # **Run time** of a full run (QUICK = False): the cells take about 5 s on a laptop CPU (measured: 3.5 s of one core);
 # training starts when you press Run. On a CPU the panel's default is the demo's GRPO run (10 steps of 8 puzzles x 8
 # samples on the lab model) with test evaluations at steps 5 and 10: the demo's own GRPO run, the same steps with one
-# evaluation, took 153-191 s on two threads of this project's 2-core machine, 26-35 s of it the evaluation, and over
-# 5 seeds it lifted sampled accuracy on 2-3-person puzzles by 21-27 points (README, "The demo"). On one GPU with
+# evaluation, took 153-191 s on two threads of this project's 2-core machine, 26-35 s of it the evaluation (measured
+# before the update skipped the rows without a gradient; not re-timed in one process since), and over 5 seeds it
+# lifted sampled accuracy on 2-3-person puzzles by 21-27 points (README, "The demo"). On one GPU with
 # Qwen2.5-1.5B-Instruct: not measured.
 
 # %%

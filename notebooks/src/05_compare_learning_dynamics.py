@@ -7,7 +7,8 @@
 #
 # **Run time** of a full run (QUICK = False): with runs already there (from notebook 04 or `lopti-lab demo`), about 5
 # s on a laptop CPU (measured: 4.8 s of one core, one run); with none, a cell first runs the demo, which took
-# 13-17 min on this project's 2-core machine (README, "The demo"); on one GPU: not measured.
+# 10.5-11.5 min on this project's 2-core machine on 2026-12-02, two runs at a time (README, "The demo"); on one
+# GPU: not measured.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -38,7 +39,8 @@ from lopti_lab import experiments, plots, runs, widgets
 
 # %% [markdown]
 # If there are no runs yet, this cell makes some: the lab demo trains GRPO, GRPO+AR, GRPO+Lopti and GRPO+AR+Lopti on
-# the same data and seeds (13-17 minutes on a 2-core CPU; seconds in QUICK mode).
+# the same data and seeds, two runs at a time in processes of their own (10.5-11.5 minutes on a 2-core CPU; seconds in
+# QUICK mode).
 
 # %%
 root = Path("runs")
@@ -89,7 +91,7 @@ plots.correct_ratio(long)
 # vocabulary makes $\|e_y - \pi\|$ hug the upper bound less), and whether AR or Lopti helps it is a separate
 # experiment: read the spread across seeds before reading a difference.
 #
-# Measured in this project (README, "The demo"; `lopti-lab demo --seeds 5`, 83 min on a 2-core CPU): in 10 steps
+# Measured in this project (README, "The demo"; `lopti-lab demo --seeds 5`, 49 min on a 2-core CPU): in 10 steps
 # GRPO lifted the lab model's sampled accuracy on 2-3-person puzzles from 0.63 to 0.87 (+23.6 ± 2.8 points, 95%
 # interval over 5 seeds; every seed above +21). AR, Lopti and AR + Lopti ended within a few points of GRPO, every
 # paired difference inside its interval (Lopti +2.1 ± 3.6). The gradient imbalance itself is plain: under GRPO the

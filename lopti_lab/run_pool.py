@@ -1,0 +1,119 @@
+"""The demo's runs trained side by side, each in a process of its own, with one progress bar over all their steps.
+
+    pool = RunPool(config, {("GRPO", 0): Path("runs/grpo-seed0"), ...}, threads=1)   # the runs start now
+    ...                                                                              # other work meanwhile
+    pool.wait()                                                                      # every run finished
+
+Why processes: the lab model is small, so a torch op on two threads spends much of its time handing work between
+them; two one-thread processes get more done on two cores (benchmarks/README.md, "Demo wall time"). Each run is a
+function of its TrainConfig alone (seeded, one thread), so a run trained here equals the same run trained in the
+calling process at one thread, record for record (tests/test_experiments.py). A run that fails raises its error
+from ``wait`` and stops the other processes; the runs that finished are kept, and the demo called again trains the
+rest.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from lopti_lab import runs
+from lopti_lab.counterfactual import METHODS
+from lopti_lab.trainer import TrainConfig, train
+
+__all__ = ["RunPool"]
+
+POLL_SECONDS = 2.0
+"""How often the progress bar reads the runs' step counts."""
+
+
+class RunPool:
+    """Train ``run_dirs`` ({(method, seed): folder}) of a DemoConfig in ``config.workers`` processes of ``threads``
+    torch threads each, the longest runs first (a Lopti run updates twice per step), so the last to finish are short.
+    """
+
+    def __init__(self, config, run_dirs: Mapping[tuple[str, int], Path], threads: int):
+        order = sorted(run_dirs, key=lambda key: (-_cost(key[0]), key[1]))
+        self.steps, self.dirs = config.steps, [Path(run_dirs[key]) for key in order]
+        self.workers = min(config.workers, len(order))
+        context = multiprocessing.get_context("spawn")  # no forked copy of this process's torch threads
+        self._pool = context.Pool(self.workers, initializer=_start_worker, initargs=(threads, os.getpid()))
+        self._results = [
+            self._pool.apply_async(_train_run, (config.train_config(method, seed, run_dirs[(method, seed)]),))
+            for method, seed in order
+        ]
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids."""
+        return [process.pid for process in self._pool._pool]
+
+    def wait(self) -> None:
+        """Block until every run has finished, then end the processes. The first run to fail raises its error here,
+        and an error or an interrupt stops every process (``stop``): the runs that finished are kept, and the demo
+        called again reuses them and trains the rest."""
+        bar = tqdm(
+            total=len(self.dirs) * self.steps,
+            initial=self._logged(),
+            desc=f"{len(self.dirs)} runs, {self.workers} at a time",
+            unit="step",
+        )
+        try:
+            pending = list(self._results)
+            while pending:
+                pending[0].wait(POLL_SECONDS)
+                bar.update(self._logged() - bar.n)
+                for result in [r for r in pending if r.ready()]:
+                    result.get()  # a run's exception, raised in this process
+                    pending.remove(result)
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            bar.close()
+        self._pool.close()
+        self._pool.join()
+
+    def stop(self) -> None:
+        """End every process now, runs in progress included."""
+        self._pool.terminate()
+        self._pool.join()
+
+    def _logged(self) -> int:
+        """Steps the runs have written so far (lines of their metrics.jsonl)."""
+        total = 0
+        for run_dir in self.dirs:
+            metrics = run_dir / runs.METRICS
+            if metrics.is_file():
+                total += metrics.read_bytes().count(b"\n")
+        return min(total, len(self.dirs) * self.steps)
+
+
+def _start_worker(threads: int, parent: int) -> None:
+    """A worker's set-up: its torch threads, and a watch that ends it within a second of its parent's death (a
+    SIGKILLed demo must not leave a run half-trained by an orphan while the demo called again resumes that run)."""
+    torch.set_num_threads(threads)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _cost(method: str) -> int:
+    return 2 if METHODS[method].get("lopti_eta") is not None else 1
+
+
+def _train_run(config: TrainConfig) -> None:
+    """One run, in a worker process; resumes a folder that holds an unfinished run of it."""
+    train(replace(config, progress=False), resume=runs.RunFolder(config.run_dir).exists())
