@@ -37,8 +37,8 @@ from lopti_lab.demo_report import (  # noqa: F401  (re-exported: the report's pa
 )
 from lopti_lab.kk import load_split
 from lopti_lab.rollout import FAST_PATHS
-from lopti_lab.run_pool import RunPool
-from lopti_lab.trainer import TrainConfig, evaluate, train
+from lopti_lab.run_pool import RunPool, train_or_resume
+from lopti_lab.trainer import TrainConfig, evaluate
 
 PAPER_TABLE = pd.DataFrame(
     [
@@ -216,7 +216,7 @@ def run_demo(config: DemoConfig) -> Path:
     reused = len(run_dirs) - len(todo)  # earlier, complete runs of the same report are kept
     pool, threads_before = None, torch.get_num_threads()
     if config.workers > 1 and todo:  # the runs start now; this process meanwhile measures the frozen batch
-        threads = max(1, (config.threads or torch.get_num_threads()) // config.workers)
+        threads = max(1, threads_before // config.workers)  # config.threads, when given, is set above
         torch.set_num_threads(threads)
         pool = RunPool(config, {key: run_dirs[key] for key in todo}, threads)
     try:
@@ -229,8 +229,7 @@ def run_demo(config: DemoConfig) -> Path:
         torch.set_num_threads(threads_before)
     if pool is None:
         for method, seed in todo:
-            run_dir = run_dirs[(method, seed)]
-            train(config.train_config(method, seed, run_dir), resume=runs.RunFolder(run_dir).exists())
+            train_or_resume(config.train_config(method, seed, run_dirs[(method, seed)]))
     else:
         pool.wait()
     minutes = (time.perf_counter() - start) / 60

@@ -29,7 +29,7 @@ from lopti_lab import runs
 from lopti_lab.counterfactual import METHODS
 from lopti_lab.trainer import TrainConfig, train
 
-__all__ = ["RunPool"]
+__all__ = ["RunPool", "train_or_resume"]
 
 POLL_SECONDS = 2.0
 """How often the progress bar reads the runs' step counts."""
@@ -114,6 +114,11 @@ def _cost(method: str) -> int:
     return 2 if METHODS[method].get("lopti_eta") is not None else 1
 
 
+def train_or_resume(config: TrainConfig) -> None:
+    """Train one run of the demo, resuming its folder when that holds an unfinished run of it."""
+    train(config, resume=runs.RunFolder(config.run_dir).exists())
+
+
 def _train_run(config: TrainConfig) -> None:
-    """One run, in a worker process; resumes a folder that holds an unfinished run of it."""
-    train(replace(config, progress=False), resume=runs.RunFolder(config.run_dir).exists())
+    """One run in a worker process, without a progress bar of its own (``RunPool.wait`` draws one for all)."""
+    train_or_resume(replace(config, progress=False))
