@@ -16,7 +16,9 @@ import time
 
 import torch
 
-from lopti_lab import labmodel
+from lopti_lab.lab.model import build_model
+from lopti_lab.lab.pretrain import PretrainConfig, TraceStream
+from lopti_lab.lab.tokenizer import build_tokenizer
 
 
 def main() -> None:
@@ -26,10 +28,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="float32 / bfloat16 rounds, alternating")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = labmodel.PretrainConfig()
-    tokenizer = labmodel.build_tokenizer(seed=config.seed, style=config.trace)
-    model = labmodel.build_model(tokenizer, config.spec, seed=config.seed)
-    stream = labmodel.TraceStream(tokenizer, config)
+    config = PretrainConfig()
+    tokenizer = build_tokenizer(seed=config.seed, style=config.trace)
+    model = build_model(tokenizer, config.spec, seed=config.seed)
+    stream = TraceStream(tokenizer, config)
     batches = [stream.batch(config.curriculum_steps)[1] for _ in range(args.batches)]
     tokens = sum(int(mask.sum()) for _, mask, _ in batches)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)  # small: the weights barely move between rounds

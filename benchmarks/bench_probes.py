@@ -26,8 +26,8 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from lopti_lab.bins import DEFAULT_BINS
 from lopti_lab.probes import GradientProbe, bin_gradient_norms
-from lopti_lab.theory import DEFAULT_BINS
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONFIGS = {

@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/bench_step.py --threads 1 2 --steps 3  # thread settings
     .venv/bin/python benchmarks/bench_step.py --eval                   # the demo's test evaluation, with SEs
 
-The step is `trainer.train_step` at the demo's settings (`experiments.DemoConfig`: 8 three-person puzzles x 8
+The step is `trainer.train_step` at the demo's settings (`demo.config.DemoConfig`: 8 three-person puzzles x 8
 samples, prompt style chat_quiz, max_new_tokens 200, T 0.7, minibatches of 32, full fine-tuning, GRPO, no probe),
 run with ``fast_path="hf"`` (HF generate, a log-prob forward, HF forwards in the update: the code before the lean
 path) and ``fast_path="lean"``, alternating step by step from identical weights on the same puzzles, one warm-up
@@ -22,9 +22,9 @@ rate measured in the same run at the same thread count (4096^3, and the model's 
 "floor" counts every row's prompt (the step as HF runs it, the issue's accounting); "lean floor" counts the work
 the lean step must still do: each prompt once per group in prefill and update, no log-prob pass.
 
-``--eval`` times `trainer.evaluate` at the demo's settings (test split, 2-5 people x 100 puzzles, greedy and 2
+``--eval`` times `evaluate.evaluate` at the demo's settings (test split, 2-5 people x 100 puzzles, greedy and 2
 samples per puzzle at T = 1.0, 200 new tokens) on both paths and prints each accuracy with its standard error
-(`trainer.accuracy_se`); at equal sample sizes the SEs agree up to sampling noise, so the time ratio is the cost
+(`evaluate.accuracy_se`); at equal sample sizes the SEs agree up to sampling noise, so the time ratio is the cost
 ratio per point of precision (time x SE^2 is constant as the sample grows).
 """
 
@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lopti_lab.trainer as trainer
-from lopti_lab.experiments import DemoConfig
+from lopti_lab.demo.config import DemoConfig
 from lopti_lab.kk import load_split
 from lopti_lab.models import load_policy
 
@@ -272,19 +272,20 @@ def report(threads, rates, results, shape, cfg, passes, log_ratio) -> None:
 
 def bench_eval(threads: int) -> None:
     """The demo's final evaluation on both paths: wall and CPU seconds, and every accuracy with its SE."""
-    from lopti_lab.labmodel import LAB_PROMPT_STYLE
+    from lopti_lab.evaluate import evaluate
+    from lopti_lab.lab.trace import RL_PROMPT_STYLE
 
     demo = DemoConfig()
     model, tokenizer = load_policy("lab", lora=None)
-    test = load_split("test", demo.eval_people, limit=demo.eval_size)
-    print(f"torch threads {threads}; {len(test)} test puzzles ({demo.eval_people} people), greedy + "
-          f"{demo.eval_samples} samples at T = 1.0, {demo.max_new_tokens} new tokens")  # fmt: skip
+    test = load_split("test", demo.train.eval_people, limit=demo.train.eval_size)
+    print(f"torch threads {threads}; {len(test)} test puzzles ({demo.train.eval_people} people), greedy + "
+          f"{demo.train.eval_samples} samples at T = 1.0, {demo.train.max_new_tokens} new tokens")  # fmt: skip
     seconds, metrics = {}, {}
     for path in ("hf", "lean"):
         wall, cpu = time.perf_counter(), time.process_time()
-        metrics[path] = trainer.evaluate(
-            model, tokenizer, test, prompt_style=LAB_PROMPT_STYLE, max_new_tokens=demo.max_new_tokens,
-            samples=demo.eval_samples, seed=0, fast_path=path,
+        metrics[path] = evaluate(
+            model, tokenizer, test, prompt_style=RL_PROMPT_STYLE, max_new_tokens=demo.train.max_new_tokens,
+            samples=demo.train.eval_samples, seed=0, fast_path=path,
         )  # fmt: skip
         seconds[path] = (time.perf_counter() - wall, time.process_time() - cpu)
         print(f"  {path:4s}: {seconds[path][0]:6.1f} s wall, {seconds[path][1]:6.1f} s CPU")

@@ -39,7 +39,8 @@ from tiny import tiny_qwen2, tiny_tokenizer
 
 import lopti_lab.trainer as trainer
 from lopti_lab.kk import build_prompt, load_split, score_response
-from lopti_lab.trainer import TrainConfig, train
+from lopti_lab.train_config import TrainConfig
+from lopti_lab.trainer import train
 
 
 def make_model(folder: Path, hidden: int, layers: int) -> str:

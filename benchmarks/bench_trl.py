@@ -37,7 +37,7 @@ from bench_trainer import make_model, ours  # the same model builder and our tra
 from lopti_lab.integrations.trl import LoptiGRPOConfig, LoptiGRPOTrainer, kk_dataset, kk_reward
 from lopti_lab.kk import load_split
 from lopti_lab.kk.data import parse_people
-from lopti_lab.trainer import TrainConfig
+from lopti_lab.train_config import TrainConfig
 
 METHODS = {
     "GRPO": {},

@@ -7,7 +7,7 @@ the bundled lab model, the lean decoder), under torch seed i for batch i, so eve
 Per round: one process on ``--threads`` threads decodes the batches, then ``--threads`` processes of one thread
 decode them each at the same time. Prints the wall seconds of each and the throughput ratio (rollouts per second of
 the one-thread processes together over the one process's). This is why `lopti-lab demo` trains its runs in
-``DemoConfig.workers`` processes of one thread (lopti_lab/run_pool.py).
+``DemoConfig.workers`` processes of one thread (lopti_lab/pool.py).
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ def decode(threads: int, batches: int) -> dict:
     """In this process: decode ``batches`` demo batches on ``threads`` threads; their wall seconds and token count."""
     import torch
 
-    from lopti_lab import labmodel
     from lopti_lab.kk import build_prompt, load_split
-    from lopti_lab.models import load_policy
+    from lopti_lab.models import load_policy, prompt_style_of
     from lopti_lab.rollout import sample
 
     torch.set_num_threads(threads)
     model, tokenizer = load_policy("lab", lora=None)
     model.eval()
-    style = labmodel.prompt_style_of("lab")
+    style = prompt_style_of("lab")
     prompts = [build_prompt(p, style, tokenizer) for p in load_split("train", (2, 3), limit=4)]
     tokens, start = 0, time.perf_counter()
     for i in range(batches):

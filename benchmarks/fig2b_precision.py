@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/fig2b_precision.py                       # the demo's frozen batch and update
     .venv/bin/python benchmarks/fig2b_precision.py --puzzles 6 --temperature 1.0 --optimizer sgd --lr 1e-3
 
-One rollout of the lab model on 3-person training puzzles (``experiments.frozen_batch``), then each method's update
-from the same weights (``experiments.counterfactual``, which restores them). Per method, bin and advantage sign:
+One rollout of the lab model on 3-person training puzzles (``counterfactual.frozen_batch``), then each method's update
+from the same weights (``counterfactual.counterfactual``, which restores them). Per method, bin and advantage sign:
 
 - old: delta_p = exp(new) - exp(old) from float32 forwards, and "did not move" counted as moved the wrong way (what
   the demo reported before): ``correct_old``;
@@ -21,13 +21,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lopti_lab.counterfactual import whole_batch_config
-from lopti_lab.experiments import METHODS, frozen_batch
+from lopti_lab.bins import DEFAULT_BINS, bin_index
+from lopti_lab.counterfactual import frozen_batch, whole_batch_config
 from lopti_lab.kk import load_split
+from lopti_lab.methods import METHODS
 from lopti_lab.models import load_policy
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.rollout import response_logprobs
-from lopti_lab.theory import DEFAULT_BINS, bin_index
 from lopti_lab.trainer import advantages_and_stages, update_policy
 
 
@@ -44,8 +44,8 @@ def measure(model, batch, lr: float, optimizer: str) -> pd.DataFrame:
     adv = batch.advantages[:, None].expand_as(mask).double()  # (B, T)
     bins = bin_index(old64.exp(), DEFAULT_BINS)
     rows = []
-    for name, overrides in METHODS.items():
-        cfg = replace(base, **{"ar_alpha": None, "lopti_eta": None, **overrides})
+    for name, method in METHODS.items():
+        cfg = replace(base, **method.overrides())
         opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr, weight_decay=0)
         weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, cfg)
         update_policy(model, opt, rollout, weighted, stages, cfg)

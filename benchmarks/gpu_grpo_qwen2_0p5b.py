@@ -142,9 +142,10 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    import lopti_lab.trainer as trainer
+    import lopti_lab.evaluate as evaluation  # score_rollout's module: its score_response is replaced below
     from lopti_lab.kk import Reward, build_prompt, load_split
-    from lopti_lab.trainer import TrainConfig, train
+    from lopti_lab.train_config import TrainConfig
+    from lopti_lab.trainer import train
 
     shape, device = QWEN2_0P5B, "cuda"
     if args.smoke:  # the same code path on CPU: 2 layers of width 64, Qwen's vocabulary, a few tokens
@@ -155,7 +156,7 @@ def main() -> None:
         assert torch.cuda.is_available(), "this script needs a GPU (--estimate-only or --smoke without one)"
     cuda = device == "cuda"
     start = time.perf_counter()
-    trainer.score_response = lambda text, p: Reward(3.0 if zlib.crc32(text.encode()) % 3 == 0 else -0.5, 1.0, 0.0)
+    evaluation.score_response = lambda text, p: Reward(3.0 if zlib.crc32(text.encode()) % 3 == 0 else -0.5, 1.0, 0.0)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_grpo_"))
     model_path = make_model(tmp / "model", shape, device)
     name = torch.cuda.get_device_name() if cuda else "CPU smoke run"

@@ -4,13 +4,13 @@ optionally slowed, and optionally killed from inside one chosen write.
     python benchmarks/kill_shim.py PLAN.json -- train --run-dir runs/x --resume
 
 PLAN.json: {"trace": "trace.log", "slow": 0.02, "target": {"op": "append", "name": "metrics.jsonl", "step": 3,
-"run": "x", "cut": 0.4}, "stall": {...}} (target and stall optional). Every call of lopti_lab.durable.write /
-append / replace (all the durable bytes a run folder gets, runs.py) is logged to the trace as a "begin" line and an
-"end" line, so the parent can tell where an outside SIGKILL landed. ``slow`` sleeps that many seconds in the middle
-of each call (half the bytes written, then the rest), widening those windows for random outside kills. When a call
-matches the target, the shim writes the first ``cut`` share of its bytes (a write or append torn there; for a
-rename: before it if cut < 0.5, after it otherwise), then SIGKILLs its own process: a power cut at that byte, as far
-as the run folder can tell. A rename matching ``stall`` waits (for the parent's outside kill) instead of happening.
+"run": "x", "cut": 0.4}, "stall": {...}} (target and stall optional). Every call of lopti_lab.durable.write / append /
+replace (all the durable bytes a run folder gets, runs.py and resume.py) is logged to the trace as a "begin" line and an
+"end" line, so the parent can tell where an outside SIGKILL landed. ``slow`` sleeps that many seconds in the middle of
+each call (half the bytes written, then the rest), widening those windows for random outside kills. When a call matches
+the target, the shim writes the first ``cut`` share of its bytes (a write or append torn there; for a rename: before it
+if cut < 0.5, after it otherwise), then SIGKILLs its own process: a power cut at that byte, as far as the run folder can
+tell. A rename matching ``stall`` waits (for the parent's outside kill) instead of happening.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def matches(event: dict, target: dict | None) -> bool:
 
 
 class Shim:
-    """Wraps lopti_lab.durable's write, append and replace (module attributes: runs.py calls them through the
-    module, so the wrappers see every call)."""
+    """Wraps lopti_lab.durable's write, append and replace (module attributes: runs.py and resume.py call them through
+    the module, so the wrappers see every call)."""
 
     def __init__(self, plan: dict):
         self.trace = os.open(plan["trace"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

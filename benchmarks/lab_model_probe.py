@@ -6,12 +6,12 @@
     .venv/bin/python benchmarks/lab_model_probe.py --audit reports/lab_probes/base   # re-read a probe's traces
     .venv/bin/python benchmarks/lab_model_probe.py --targets data/lab_model --people 2 3 --more-people 4 5 6
 
-Each probe runs `labmodel.pretrain` on labtrace's traces (`labmodel.RL_TRACE`, 4 length buckets, evaluations up to
+Each probe runs `lab.pretrain.pretrain` on lab.trace's traces (`lab.trace.RL_TRACE`, 4 length buckets, evaluations up to
 896 new tokens) with the overrides given (``field=value``, nested fields with a dot; values are
 Python literals), then reports the targets of the RL-ready lab model (issue 11) on the bundled test split: greedy and
 sampled accuracy at 2 and 3 people, format errors, and the token-probability profile of its own rollouts (3-person
 training puzzles, 8 samples each at the rollout temperature), and an audit of its greedy traces
-(`labmodel.audit_greedy`: transcription, copy and logic errors, slips; 40 test puzzles per people count). Results go
+(`lab.evaluate.audit_greedy`: transcription, copy and logic errors, slips; 40 test puzzles per people count). Results go
 to reports/lab_probes/<name>/probe.json.
 
 ``--targets DIR`` trains nothing: the four warm-start targets of issue 11 for a saved lab model, on the test split's
@@ -21,7 +21,7 @@ at ``--more-people`` too (responses capped by the model's context).
 
 ``--ideal`` trains nothing: for the trace style (with the --set trace overrides) it prints what a model that samples
 exactly the traces' distribution would show at T = 1.0, the ceiling of a warm start: the token profile
-(`labtrace.ideal_profile`, with the tokenizer the pretrain would build), the share of sampled traces whose answer is
+(`lab.trace.ideal_profile`, with the tokenizer the pretrain would build), the share of sampled traces whose answer is
 right (slips included) at slip rates around the style's, and the mean trace length in tokens, per people count.
 """
 
@@ -35,7 +35,11 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from lopti_lab import labmodel, labtrace
+from lopti_lab.lab.evaluate import audit_greedy, rollout_profile
+from lopti_lab.lab.pretrain import PretrainConfig, pretrain
+from lopti_lab.lab.tokenizer import build_tokenizer, lab_response
+from lopti_lab.lab.trace import RL_TRACE, TraceStyle, ideal_profile, lab_trace_with_stats, prompt_style
+from lopti_lab.models import load_policy, prompt_style_of
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -54,22 +58,20 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
-def ideal(style: labtrace.TraceStyle, people: list[int], size: int) -> dict:
+def ideal(style: TraceStyle, people: list[int], size: int) -> dict:
     from lopti_lab.kk import generate_puzzle
 
-    tokenizer = labmodel.build_tokenizer(style=style)
+    tokenizer = build_tokenizer(style=style)
     out = {}
     for n in people:
         puzzles = [generate_puzzle(n, 90_000 + i) for i in range(size)]
-        shares = labtrace.ideal_profile(puzzles, style, tokenizer)
-        lengths = [len(tokenizer(labmodel.lab_response(p, random.Random(i), style))["input_ids"])
+        shares = ideal_profile(puzzles, style, tokenizer)
+        lengths = [len(tokenizer(lab_response(p, random.Random(i), style))["input_ids"])
                    for i, p in enumerate(puzzles)]  # fmt: skip
         correct = {}
         for slip in sorted({0.01, 0.02, 0.03, 0.04, 0.05, style.slip}):
             varied = replace(style, slip=slip)
-            right = [
-                labtrace.lab_trace_with_stats(p, random.Random(i), varied)[1].correct for i, p in enumerate(puzzles)
-            ]
+            right = [lab_trace_with_stats(p, random.Random(i), varied)[1].correct for i, p in enumerate(puzzles)]
             correct[f"slip {slip:g}"] = sum(right) / len(right)
         out[f"{n} people"] = {
             "profile [0,.25) [.25,.5) [.5,.75) [.75,1]": [round(x, 3) for x in shares],
@@ -89,13 +91,14 @@ below p = 0.75 and >= 10% below 0.25, format errors < 2%."""
 def targets(folder: str, people: list[int], more_people: list[int], temperature: float) -> dict:
     """The targets measured on a saved lab model (its recorded final evaluation for ``people``, a fresh rollout
     profile on their training mix, fresh greedy accuracy for ``more_people``)."""
+    from lopti_lab.evaluate import evaluate
     from lopti_lab.kk import load_split
-    from lopti_lab.labeval import rollout_profile
-    from lopti_lab.trainer import evaluate
 
-    model, tokenizer = labmodel.load_lab_model(folder)
+    model, tokenizer = load_policy(folder, lora=None)
     summary = json.loads((Path(folder) / "lab_model.json").read_text())
-    final, style = summary["final_eval"], labmodel.prompt_style_of(folder)
+    final, style = summary["final_eval"], prompt_style_of(folder)
+    if style is None:  # a folder saved before config.json named its prompt style: the one its trace reads
+        style = prompt_style(PretrainConfig(trace=summary.get("config", {}).get("trace")).trace)
     missing = [n for n in people if f"test/greedy/acc_{n}ppl" not in final]
     if missing:
         raise SystemExit(f"{folder}/lab_model.json has no final evaluation at {missing} people")
@@ -150,30 +153,30 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        model, tokenizer = labmodel.load_lab_model(args.audit)
+        model, tokenizer = load_policy(args.audit, lora=None)
         trace = json.loads((Path(args.audit) / "lab_model.json").read_text())["config"]["trace"]
-        style = labmodel.PretrainConfig(trace=trace).trace  # the JSON dict, read as the pretrain reads it
-        print(json.dumps([labmodel.audit_greedy(model, tokenizer, style, n) for n in args.people], indent=1))
+        style = PretrainConfig(trace=trace).trace  # the JSON dict, read as the pretrain reads it
+        print(json.dumps([audit_greedy(model, tokenizer, style, n) for n in args.people], indent=1))
         return
     if args.ideal:
-        trace = {**asdict(labmodel.RL_TRACE), **parse_overrides(args.set).get("trace", {})}
-        print(json.dumps(ideal(labtrace.TraceStyle(**trace), args.people, args.size), indent=1))
+        trace = {**asdict(RL_TRACE), **parse_overrides(args.set).get("trace", {})}
+        print(json.dumps(ideal(TraceStyle(**trace), args.people, args.size), indent=1))
         return
 
     out = Path("reports/lab_probes") / args.name
     overrides = parse_overrides(args.set)
-    base = asdict(labmodel.PretrainConfig())  # the RL trace under study, cut by length, with room for its length:
-    base.update(trace=asdict(labmodel.RL_TRACE), length_buckets=4, max_new_tokens=896)
+    base = asdict(PretrainConfig())  # the RL trace under study, cut by length, with room for its length:
+    base.update(trace=asdict(RL_TRACE), length_buckets=4, max_new_tokens=896)
     for key, value in overrides.items():
         base[key] = {**base[key], **value} if isinstance(value, dict) else value
     base.update(max_minutes=args.minutes, threads=args.threads, final_people=tuple(args.people), final_size=args.size)
-    config = labmodel.PretrainConfig(**base)
+    config = PretrainConfig(**base)
     start = time.perf_counter()
-    summary = labmodel.pretrain(config, out)
-    model, tokenizer = labmodel.load_lab_model(out)
-    style = labmodel.lab_prompt_style(config.trace)
-    profile = labmodel.rollout_profile(model, tokenizer, people=3, temperature=args.temperature, prompt_style=style)
-    audit = [labmodel.audit_greedy(model, tokenizer, config.trace, n) for n in args.people]
+    summary = pretrain(config, out)
+    model, tokenizer = load_policy(str(out), lora=None)
+    style = prompt_style(config.trace)
+    profile = rollout_profile(model, tokenizer, people=3, temperature=args.temperature, prompt_style=style)
+    audit = [audit_greedy(model, tokenizer, config.trace, n) for n in args.people]
     result = {
         "name": args.name,
         "overrides": overrides,

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
-from lopti_lab import labmodel
-from lopti_lab.kk import build_prompt
+from lopti_lab.kk import build_prompt, load_split
+from lopti_lab.lab.pretrain import PretrainConfig
+from lopti_lab.lab.trace import prompt_style
+from lopti_lab.models import load_policy
 from lopti_lab.rollout import sample
 
 
@@ -28,11 +30,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = labmodel.load_lab_model(args.model)
+    model, tokenizer = load_policy(args.model, lora=None)
     trace = json.loads((Path(args.model) / "lab_model.json").read_text())["config"]["trace"]
-    style = labmodel.PretrainConfig(trace=trace).trace
-    puzzles = labmodel.load_split("test", args.people, limit=args.size)
-    prompts = [build_prompt(p, labmodel.lab_prompt_style(style), tokenizer) for p in puzzles]
+    style = PretrainConfig(trace=trace).trace
+    puzzles = load_split("test", args.people, limit=args.size)
+    prompts = [build_prompt(p, prompt_style(style), tokenizer) for p in puzzles]
     texts = sample(model, tokenizer, prompts, greedy=True, max_new_tokens=60 * args.people + 40).texts
     written = Counter()  # (speaker's number, leaf's true number, number written)
     for p, text in zip(puzzles, texts, strict=True):

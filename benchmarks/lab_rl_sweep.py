@@ -1,6 +1,6 @@
 """GRPO settings on the lab model: several configurations trained side by side, each in its own process.
 
-Picks the demo's shared RL settings (`experiments.DemoConfig`) on GRPO alone; AR and Lopti are never tuned here.
+Picks the demo's shared RL settings (`demo.config.DemoConfig`) on GRPO alone; AR and Lopti are never tuned here.
 Every configuration starts from the bundled lab model, trains on 3-person puzzles and is evaluated on the 3-person
 test puzzles (sampled at T = 1.0) every ``--eval-every`` steps, so learning curves can be compared at equal steps and,
 since each row logs its time, at equal seconds.
@@ -48,10 +48,10 @@ def sweep_config(name: str, seed: int, args: argparse.Namespace):
     overrides."""
     from dataclasses import replace
 
-    from lopti_lab.experiments import DemoConfig
+    from lopti_lab.demo.config import DemoConfig
 
-    demo_fields = {"steps": args.steps, **({"model": args.model} if args.model else {})}
-    demo = DemoConfig(**demo_fields).train_config("GRPO", seed, Path(args.out) / f"{name}-seed{seed}")
+    demo_train = {"steps": args.steps, **({"model": args.model} if args.model else {})}  # changes to DEMO_TRAIN
+    demo = DemoConfig(train=demo_train).train_config("GRPO", seed, Path(args.out) / f"{name}-seed{seed}")
     return replace(
         demo,
         eval_modes=("sample",),
@@ -112,10 +112,10 @@ def warm_start(pass_k: int, args: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
+    from lopti_lab.evaluate import evaluate, score_rollout
     from lopti_lab.kk import build_prompt, load_split
     from lopti_lab.models import load_policy
     from lopti_lab.rollout import sample
-    from lopti_lab.trainer import evaluate, score_rollout
 
     torch.set_num_threads(args.threads)
     cfg = sweep_config("base", 0, args)

@@ -17,7 +17,7 @@ Kill k of N aims at the k/N point of the straight run's durable calls (``paced``
 its kind between the resume point and there, an outside kill a delay uniform over the startup plus the straight
 run's time for that stretch (killing at once if the child gets past it), so the kills spread over the whole run.
 The hook kills run through benchmarks/kill_shim.py, which wraps lopti_lab.durable (every durable byte of a run
-folder). After each kill the parent checks the folder (runs.check_resume) and continues with
+folder). After each kill the parent checks the folder (resume.check_resume) and continues with
 `lopti-lab train --run-dir run --resume` (plain `lopti-lab train` if the kill came before config.json existed: a
 folder that holds no run) or reruns `lopti-lab demo --quick`. When the kills are spent the run finishes, and its
 metrics.jsonl must equal the straight run's record for record (timings aside: no step missing, doubled or changed),
@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from lopti_lab import runs
+from lopti_lab.resume import check_resume
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "kill_shim.py"
@@ -51,8 +52,8 @@ CHECKPOINT_EVENTS = {("write", name) for name in CHECKPOINT_FILES} | {("replace"
 
 def train_command(steps: int, save_every: int, seed: int, evaluate: bool) -> list[str]:
     """`lopti-lab train` on the lab model with tiny settings (one step is under a second on one CPU thread)."""
-    command = ["train", "--model", "lab", "--lora-r", "none", "--prompt-style", "chat_quiz", "--train-people", "3",
-               "--prompts-per-step", "2", "--group-size", "2", "--minibatch-size", "2", "--max-new-tokens", "16",
+    command = ["train", "--model", "lab", "--lora-r", "none", "--train-people", "3", "--prompts-per-step", "2",
+               "--group-size", "2", "--minibatch-size", "2", "--max-new-tokens", "16",
                "--kl-coef", "0", "--lr", "1e-4", "--steps", str(steps), "--save-every", str(save_every),
                "--seed", str(seed), "--run-dir", "run", "--no-progress"]  # fmt: skip
     if evaluate:  # evaluation records (greedy, 2 puzzles) and gradient probes every 3 steps
@@ -145,7 +146,7 @@ def folder_state(folder: Path) -> dict:
     """Per run folder: does it hold a run, where would it resume, does the resume need to cut metrics.jsonl back."""
     if not (folder / runs.CONFIG).is_file():
         return {"run": folder.name, "exists": False, "resume": 0, "needs_repair": False}
-    point = runs.check_resume(folder)  # raises (and the soak fails) if a kill left a folder that cannot resume
+    point = check_resume(folder)  # raises (and the soak fails) if a kill left a folder that cannot resume
     metrics = folder / runs.METRICS
     needs = metrics.is_file() and metrics.read_bytes() != point.kept
     return {"run": folder.name, "exists": True, "resume": point.step, "needs_repair": needs}
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(soak("train", args.kills, command, work / "train", seed=args.seed, slow=args.slow_io,
                                 finished_step=args.steps, kinds=kinds))  # fmt: skip
         if args.demo_kills:
-            # one process: the kill shim traces this process's writes (worker processes: tests/test_experiments.py)
+            # one process: the kill shim traces this process's writes (worker processes: tests/test_demo.py)
             demo = ["demo", "--quick", "--out", "demo", "--threads", "1", "--workers", "1"]
             results.append(soak("demo", args.demo_kills, demo, work / "demo", seed=args.seed + 1, slow=args.slow_io,
                                 finished_step=2, kinds=kinds))  # fmt: skip

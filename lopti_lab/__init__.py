@@ -1,8 +1,18 @@
 """lopti_lab: do low-probability tokens over-dominate RL updates of LLMs, and do AR and Lopti fix it?
 
-The package is layered (an import only points down): ``kk`` (puzzles and rewards, no torch) -> ``theory`` ->
-``models`` / ``rollout`` / ``objective`` -> ``probes`` -> ``trainer`` / ``runs`` -> ``labmodel`` -> ``plots`` /
-``widgets`` / ``cli``. Importing the top-level package is cheap: submodules load torch only when imported.
+The package is layered, ground floor first (an import only points down; tests/test_layout.py checks it):
+
+    paths, checks, configs, durable, kk/     files, field checks, config helpers, durable writes, the K&K environment
+    bins, methods, objective, theory         probability bins, the method registry, the RL objective, softmax facts
+    fast/, models, rollout                   loading a policy, sampling rollouts (the lean CPU decode)
+    probes/, toy                             gradient probes and probability shift; the toy policy
+    train_config, evaluate, runs, resume     the config, test accuracy, run folders, resuming them
+    trainer, counterfactual, pool            the GRPO loop; one frozen batch updated by each method; runs in workers
+    lab/, demo/, paper                       the lab model; the demo and its report; the paper's published numbers
+    plots, notebook, widgets, cli            figures, the notebooks' set-up, ipywidgets panels, the command line
+    integrations/, bad_inputs                TRL and verl adapters (objective and kk only); the bad-input table
+
+Importing the top-level package is cheap: submodules load torch only when imported.
 """
 
 __version__ = "0.1.0"

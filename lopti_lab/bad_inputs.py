@@ -1,5 +1,6 @@
-"""The bad-input table: every field of TrainConfig, DemoConfig and PretrainConfig with the bad values tried and the
-error each gets, then bad K&K files and damaged run folders. Generated from the code into docs/bad_inputs.md:
+"""The bad-input table: every field of every config (TrainConfig, DemoConfig, PretrainConfig, EvalConfig,
+DataConfig) with the bad values tried and the error each gets, then bad K&K files and damaged run folders. Generated
+from the code into docs/bad_inputs.md:
 
     python -m lopti_lab.bad_inputs --write docs/bad_inputs.md    # regenerate after changing a config
     python -m lopti_lab.bad_inputs --check docs/bad_inputs.md    # exit 1 if the committed table is stale
@@ -24,6 +25,19 @@ import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
+
+from lopti_lab import runs
+from lopti_lab.demo.config import DemoConfig
+from lopti_lab.demo.mechanism import MechanismConfig
+from lopti_lab.evaluate import EvalConfig
+from lopti_lab.kk import generate_puzzle, load_jsonl
+from lopti_lab.kk.data import DataConfig
+from lopti_lab.lab.pretrain import PretrainConfig
+from lopti_lab.paths import data_dir
+from lopti_lab.resume import resume_point
+from lopti_lab.train_config import TrainConfig
 
 NAN, INF = math.nan, math.inf
 
@@ -62,10 +76,18 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "max_prompt_tokens": [("out of range", 0)],
         "generate_batch_size": [("out of range", 0)],
         "fast_path": [("not a choice", "fast")],
+        "optimizer": [("unknown choice", "lion")],
         "lr": [("out of range", 0.0), ("out of range", -1e-5), ("not finite", INF)],
         "weight_decay": [("out of range", -0.01)],
-        "betas": [("one value", (0.9,)), ("out of range", (0.9, 1.0))],
-        "adam_eps": [("out of range", 0.0)],
+        "betas": [
+            ("one value", (0.9,)),
+            ("out of range", (0.9, 1.0)),
+            ("inconsistent: an AdamW setting under SGD", Combo({"optimizer": "sgd", "betas": (0.8, 0.99)})),
+        ],
+        "adam_eps": [
+            ("out of range", 0.0),
+            ("inconsistent: an AdamW setting under SGD", Combo({"optimizer": "sgd", "adam_eps": 1e-3})),
+        ],
         "warmup_steps": [("out of range", -1)],
         "grad_clip": [("out of range", 0.0)],
         "minibatch_size": [
@@ -99,6 +121,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "eval_temperature": [("out of range", 0.0)],
         "eval_max_new_tokens": [("out of range", 0)],
         "probe_every": [("out of range", -1)],
+        "shift_every": [("out of range", -1)],
         "probe_bins": [("does not reach 1", (0.0, 0.5)), ("not increasing", (0.0, 0.5, 0.5, 1.0))],
         "save_every": [("out of range", -1)],
         "run_dir": [("empty", "")],
@@ -107,27 +130,66 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
     "DemoConfig": {
         "out": [("empty", "")],
         "seeds": [("out of range", 0)],
-        "quick": [("a JSON string", "false")],
-        "steps": [("out of range", 0)],
-        "prompts_per_step": [("out of range", 0)],
-        "group_size": [("out of range: no group", 1)],
-        "lr": [("out of range", 0.0), ("not finite", INF)],
-        "adam_eps": [("out of range", 0.0)],
-        "minibatch_size": [("out of range", 0), ("inconsistent: does not divide B = 8 x 8", 3)],
-        "temperature": [("out of range", 0.0)],
-        "ppo_epochs": [("out of range", 0)],
-        "max_new_tokens": [("out of range", 0)],
-        "train_people": [("empty", ()), ("no data file", (9,))],
-        "eval_people": [("empty", ()), ("no data file", (9,))],
-        "eval_size": [("out of range", 0)],
-        "eval_samples": [("out of range", 0)],
-        "probe_every": [("out of range", -1)],
-        "cache_warm_start": [("a JSON string", "false")],
         "methods": [("unknown method", ("PPO",)), ("empty", ()), ("repeated", ("GRPO", "GRPO"))],
-        "model": [("no such folder", "no/such/model/folder")],
+        "train": [
+            ("unknown field", {"width": 3}),
+            ("out of range", {"lr": 0.0}),
+            ("inconsistent: does not divide B = 8 x 8", {"minibatch_size": 3}),
+            ("no data file", {"train_people": (9,)}),
+            ("no such folder", {"model": "no/such/model/folder"}),
+            ("set per run: the seed", {"seed": 3}),
+            ("set per run: a method switch", {"ar_alpha": 0.3}),
+        ],
+        "quick": [("a JSON string", "false")],
+        "cache_warm_start": [("a JSON string", "false")],
         "threads": [("out of range", 0)],
         "workers": [("out of range", 0)],
-        "fast_path": [("not a choice", "fast")],
+    },
+    "MechanismConfig": {
+        "out": [("empty", "")],
+        "seeds": [("out of range", 0)],
+        "methods": [("unknown method", ("PPO",)), ("empty", ())],
+        "train": [
+            ("out of range", {"steps": 0}),
+            ("set by each optimizer setting", {"lr": 1e-2}),
+            ("set per run: a method switch", {"lopti_eta": 0.5}),
+        ],
+        "quick": [("a JSON string", "false")],
+        "threads": [("out of range", 0)],
+        "workers": [("out of range", 0)],
+        "optimizers": [("unknown setting", ("lion",)), ("empty", ()), ("repeated", ("sgd", "sgd"))],
+        "step_sizes": [("out of range", (0.0,)), ("not finite", (INF,)), ("empty", ())],
+        "frozen_puzzles": [("out of range", 0)],
+    },
+    "EvalConfig": {
+        "model": [
+            ("no such folder", "no/such/model/folder"),
+            ("inconsistent: and a run", Combo({"run": "."})),
+            ("inconsistent: neither", Combo({"model": None, "run": None})),
+        ],
+        "run": [("no such folder", Combo({"model": None, "run": "no/such/run"}))],
+        "step": [("out of range", 0), ("inconsistent: a step without a run", Combo({"step": 3}))],
+        "people": [("empty", ()), ("out of range", (1,)), ("no data file", (9,))],
+        "size": [("out of range", 0)],
+        "modes": [("unknown choice", ("beam",)), ("empty", ())],
+        "samples": [("out of range", 0)],
+        "temperature": [("out of range", 0.0)],
+        "max_new_tokens": [("out of range", 0)],
+        "prompt_style": [("unknown choice", "poem")],
+        "data_root": [("no such folder", "no/such/folder")],
+        "batch_size": [("out of range", 0)],
+        "device": [("empty", "")],
+        "dtype": [("unknown choice", "fp8")],
+        "seed": [("out of range", -1)],
+        "json": [("empty", "")],
+    },
+    "DataConfig": {
+        "people": [("empty", ()), ("out of range", (1,)), ("out of range", (21,)), ("repeated", (3, 3))],
+        "train_size": [("out of range", 0)],
+        "test_size": [("out of range", 0)],
+        "seed": [("out of range", -1)],
+        "out": [("empty", "")],
+        "parquet": [("a JSON string", "false")],
     },
     "PretrainConfig": {
         "people": [("empty", ()), ("out of range", (1,)), ("no data file", (9,))],
@@ -180,11 +242,18 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
 
 
 def config_classes() -> dict[str, type]:
-    from lopti_lab.experiments import DemoConfig
-    from lopti_lab.labmodel import PretrainConfig
-    from lopti_lab.trainer import TrainConfig
+    return {
+        "TrainConfig": TrainConfig,
+        "DemoConfig": DemoConfig,
+        "MechanismConfig": MechanismConfig,
+        "PretrainConfig": PretrainConfig,
+        "EvalConfig": EvalConfig,
+        "DataConfig": DataConfig,
+    }
 
-    return {"TrainConfig": TrainConfig, "DemoConfig": DemoConfig, "PretrainConfig": PretrainConfig}
+
+BASES = {"EvalConfig": {"model": "lab"}}
+"""The fields a config needs beyond its defaults to be valid (the base each case changes)."""
 
 
 def type_cases(annotation) -> list[tuple[str, object]]:
@@ -229,7 +298,7 @@ def config_rows() -> list[Row]:
     rows = []
     for owner, cls in config_classes().items():
         hints = typing.get_type_hints(cls)
-        base = cls()
+        base = cls(**BASES.get(owner, {}))
         for f in dataclasses.fields(cls):
             for kind, value in type_cases(hints[f.name]) + CASES[owner].get(f.name, []):
                 values = value.values if isinstance(value, Combo) else {f.name: value}
@@ -253,8 +322,6 @@ def _show(value) -> str:
 
 def _portable(text: str, *folders: Path) -> str:
     """The message with machine-specific folders replaced: the bundled data as <data>, temporary folders by name."""
-    from lopti_lab.paths import data_dir
-
     text = text.replace(str(data_dir()), "<data>")
     for folder in folders:
         text = text.replace(str(folder), folder.name)
@@ -266,8 +333,6 @@ def _portable(text: str, *folders: Path) -> str:
 
 def kk_rows() -> list[Row]:
     """Bad K&K JSONL lines: each written as line 2 of people3_num2.jsonl (line 1 a good record), then loaded."""
-    from lopti_lab.kk import generate_puzzle, load_jsonl
-
     good = generate_puzzle(3, seed=0).to_record()
     flipped = {**good, "solution": [not k for k in good["solution"][:1]] + good["solution"][1:]}
     two_solutions = {**generate_puzzle(2, seed=0).to_record(), "statements": "(('telling-truth', 0), "
@@ -317,10 +382,7 @@ def _clip(line: bytes) -> str:
 
 def run_folder_rows() -> list[Row]:
     """A small real run folder (a Linear layer's checkpoints at steps 2 and 4, records 1-5), damaged one way at a
-    time, then checked as `train(resume=True)` checks it before loading any model (``trainer.resume_point``)."""
-    from lopti_lab import runs
-    from lopti_lab.trainer import TrainConfig, resume_point
-
+    time, then checked as `train(resume=True)` checks it before loading any model (``resume.resume_point``)."""
     rows = []
     for kind, damage in _damages():
         with tempfile.TemporaryDirectory() as tmp:
@@ -339,10 +401,6 @@ def run_folder_rows() -> list[Row]:
 
 
 def _small_run(folder: Path, cfg) -> None:
-    import torch
-
-    from lopti_lab import runs
-
     run = runs.RunFolder(folder)
     run.write_config(cfg.to_dict())
     torch.manual_seed(0)

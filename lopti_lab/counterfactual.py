@@ -19,22 +19,17 @@ from dataclasses import dataclass, replace
 import pandas as pd
 import torch
 
-from lopti_lab import labmodel
+from lopti_lab.bins import DEFAULT_BINS
+from lopti_lab.evaluate import score_rollout
 from lopti_lab.kk import Puzzle, build_prompt
+from lopti_lab.methods import METHODS
+from lopti_lab.models import PROMPT_STYLE_KEY
 from lopti_lab.objective import group_advantages
-from lopti_lab.probes import probability_shift
+from lopti_lab.probes import GradientProbe, bin_gradient_norms, probability_shift
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.rollout import Rollout, response_logprobs, sample
-from lopti_lab.theory import DEFAULT_BINS
-from lopti_lab.trainer import TrainConfig, advantages_and_stages, score_rollout, update_policy
-
-METHODS: dict[str, dict] = {
-    "GRPO": {},
-    "GRPO+AR": {"ar_alpha": 0.3},
-    "GRPO+Lopti": {"lopti_eta": 0.5},
-    "GRPO+AR+Lopti": {"ar_alpha": 0.3, "lopti_eta": 0.5},
-}
-"""The paper's four variants with its K&K settings (alpha = 0.3, eta = 0.5), as TrainConfig overrides."""
+from lopti_lab.train_config import OPTIMIZERS, TrainConfig
+from lopti_lab.trainer import advantages_and_stages, build_optimizer, update_policy
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the frozen-batch counterfactual
@@ -59,13 +54,17 @@ def frozen_batch(
     puzzles: Sequence[Puzzle],
     group_size: int = 8,
     *,
-    prompt_style: str = labmodel.LAB_PROMPT_STYLE,
+    prompt_style: str | None = None,
     temperature: float = 1.0,
     max_new_tokens: int = 256,
     seed: int = 0,
     fast_path: str = "auto",
 ) -> FrozenBatch:
-    """Sample G completions per puzzle (with rollout log-probs), score them and compute GRPO advantages."""
+    """Sample G completions per puzzle (with rollout log-probs), score them and compute GRPO advantages.
+    ``prompt_style`` None: the one the model's config names (a lab model's, ``models.PROMPT_STYLE_KEY``), else
+    "instruct"."""
+    if prompt_style is None:
+        prompt_style = getattr(model.config, PROMPT_STYLE_KEY, None) or "instruct"
     torch.manual_seed(seed)
     prompts = [build_prompt(p, prompt_style, tokenizer) for p in puzzles]
     rollout = sample(
@@ -88,7 +87,7 @@ class Counterfactual:
     tokens: pd.DataFrame
     """`probes.ProbabilityShift.tokens` of every method, with a `method` column."""
     bins: pd.DataFrame
-    """Per (method, bin, sign): n_tokens, correct_ratio, delta_p quantiles (`theory.shift_summary`)."""
+    """Per (method, bin, sign): n_tokens, correct_ratio, delta_p quantiles (`probes.shift_summary`)."""
     updates: pd.DataFrame
     """Per method: optimizer steps taken and the mean gradient norm."""
 
@@ -126,13 +125,15 @@ def counterfactual(
     and no weight decay (its first step moves a parameter by lr * g / (|g| + eps): sign-like where eps << |g|).
     The correct ratio compares each token's probability change with the sign of its advantage (AR never flips it).
     """
-    methods = METHODS if methods is None else methods
-    if optimizer not in ("sgd", "adamw"):
-        raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+    methods = {m.label: m.overrides() for m in METHODS.values()} if methods is None else methods
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     rollout = batch.rollout
     base = whole_batch_config(batch) if base is None else base
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
+    # no weight decay (one update measures the gradient's move); SGD keeps no AdamW settings
+    one_update = {"weight_decay": 0.0} | ({"betas": (0.9, 0.999), "adam_eps": 1e-8} if optimizer == "sgd" else {})
     token_advantages = batch.advantages[:, None].expand_as(rollout.response_mask)  # (B, T)
     # the moves are measured between float64 forwards (probability_shift): a float32 probability near 1 hides them
     measure = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, batch.temperature)
@@ -141,11 +142,7 @@ def counterfactual(
     try:
         for name, overrides in methods.items():
             cfg = replace(base, lr=lr, **{"ar_alpha": None, "lopti_eta": None, **overrides})
-            opt = (
-                torch.optim.SGD(params, lr=lr)
-                if optimizer == "sgd"
-                else torch.optim.AdamW(params, lr=lr, betas=base.betas, eps=base.adam_eps, weight_decay=0.0)
-            )
+            opt = build_optimizer(params, replace(cfg, **one_update, optimizer=optimizer))
             weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, cfg)
             stats = update_policy(model, opt, rollout, weighted, stages, cfg)
             after = float64_logprobs(model, *measure)
@@ -172,8 +169,6 @@ def attribution_tables(model, batch: FrozenBatch, bins: Sequence[float] = DEFAUL
     """The gradient of the batch's GRPO loss (at ratio 1) split by probability bin, both ways (`probes` explains
     them): "loss" follows each bin's token losses through the whole network, "position" splits every weight
     gradient by the position the gradient passed through. One row per (attribution, bin)."""
-    from lopti_lab.probes import GradientProbe, bin_gradient_norms
-
     rollout = batch.rollout
     probs, mask = rollout.old_logp.exp(), rollout.response_mask  # (B, T)
 

@@ -3,6 +3,9 @@
     model, tokenizer = load_policy("Qwen/Qwen2.5-3B-Instruct", lora=LoraSpec(r=32), dtype="bfloat16")
     model, tokenizer = load_policy("lab", lora=None)          # full fine-tuning of the tiny lab model
 
+Every model, the lab model included, loads through ``AutoTokenizer`` and ``AutoModelForCausalLM``: a lab model folder
+is a standard checkpoint (``lab.model``), and "lab" only names the bundled one's folder.
+
 With LoRA the reference policy of the KL term is the same model with its adapter disabled (``Reference``), so KL
 costs one extra no-grad forward per step and no second copy of the weights.
 """
@@ -10,6 +13,7 @@ costs one extra no-grad forward per step and no second copy of the weights.
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,13 +22,18 @@ from pathlib import Path
 
 import torch
 
+from lopti_lab.paths import lab_model_dir
+
 __all__ = [
     "DEFAULT_LORA_TARGETS",
+    "PROMPT_STYLE_KEY",
     "LoraSpec",
     "Reference",
     "check_model_name",
     "is_peft",
     "load_policy",
+    "model_path",
+    "prompt_style_of",
     "resolve_device",
     "resolve_dtype",
     "trainable_state_dict",
@@ -33,6 +42,9 @@ __all__ = [
 # attention and MLP projections of Qwen2 / Llama / Mistral style blocks (the paper's models are Qwen2.5)
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "owner/name", exactly one slash
+PROMPT_STYLE_KEY = "kk_prompt_style"
+"""The config.json key naming the K&K prompt style (``kk.PROMPT_STYLES``) a model was trained on: lab models write
+it (``lab.model.save_lab_model``); Hugging Face keeps such keys as config attributes."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,35 @@ def check_model_name(name_or_path: str) -> str:
     if _HUB_ID.match(name_or_path) and not name_or_path.startswith("."):
         return "hub"
     raise ValueError(f"model: path {name_or_path!r} does not exist (and is not a hub id of the form 'owner/name')")
+
+
+def model_path(name_or_path: str) -> str:
+    """What ``from_pretrained`` loads: the bundled lab model's folder for "lab", else ``name_or_path`` itself
+    (checked by ``check_model_name``)."""
+    if check_model_name(name_or_path) != "lab":
+        return name_or_path
+    folder = lab_model_dir()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"lab model not found at {folder}: build it with `lopti-lab pretrain --out {folder}`")
+    return str(folder)
+
+
+def prompt_style_of(name_or_path: str) -> str | None:
+    """The prompt style a local model folder (or "lab") names in its config.json (``PROMPT_STYLE_KEY``): the prompt a
+    lab model was trained on. None for a hub id or a folder whose config names none (Qwen: "instruct" is the
+    caller's default). Reads one small file; loads no model.
+
+    >>> prompt_style_of("lab")
+    'chat_quiz_numfirst_bare'
+    """
+    path = model_path(name_or_path)
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get(PROMPT_STYLE_KEY)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"model: {config} is not readable JSON ({err})") from None
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -99,27 +140,16 @@ def load_policy(
     """Load (model, tokenizer) ready for RL: LoRA adapter attached (or all weights trainable when ``lora`` is None),
     on ``device`` in ``dtype``, tokenizer padding on the left (generation appends on the right).
 
-    ``name_or_path``: a hub id ("Qwen/Qwen2.5-0.5B-Instruct"), a local folder saved with ``save_pretrained``, or
-    "lab" for the bundled lab model (``lopti_lab.labmodel.load_lab_model``; a lab model folder loads the same way).
+    ``name_or_path``: a hub id ("Qwen/Qwen2.5-0.5B-Instruct"), a local folder saved with ``save_pretrained`` (a lab
+    model folder among them), or "lab" for the bundled lab model (``model_path``).
     """
-    kind = check_model_name(name_or_path)
+    path = model_path(name_or_path)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    # a lab model folder (`lopti-lab pretrain --out`) loads as the bundled one does: AutoTokenizer would give it
-    # Qwen2Tokenizer, whose pre-tokenizer changes the token ids the model was trained on
-    lab_folder = kind != "lab" and (Path(name_or_path) / "lab_model.json").is_file()
-    if kind == "lab" or lab_folder:
-        try:
-            from lopti_lab.labmodel import load_lab_model
-        except ImportError as err:
-            raise ValueError("model='lab' needs lopti_lab.labmodel, which is not available in this install") from err
-        model, tokenizer = load_lab_model(name_or_path) if lab_folder else load_lab_model()
-        model = model.to(dtype)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # masks come from the first EOS, so pad == eos is harmless

@@ -1,7 +1,7 @@
 """The RL objective as pure tensor functions: GRPO advantages, Advantage Reweighting, Lopti stages, the clipped loss.
 
 Nothing here knows about models, tokenizers or puzzles, so a trainer other than ours (verl, TRL) can call these
-functions as they are. PAPER.md §3-4 gives the equations; each function's docstring works one small case by hand.
+functions as they are. docs/paper.md §2-4 gives the equations; each function's docstring works one small case by hand.
 
 Shape legend
     B  rows of a batch = prompts x group size (rows of one group are contiguous: b // G is the prompt)
@@ -61,7 +61,7 @@ def group_advantages(
 
 
 def reweight_advantages(advantages: torch.Tensor, old_logp: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Advantage Reweighting (AR, PAPER.md §3): A_hat_t = [alpha * pi_old(o_t) + (1 - alpha)] * A_t.
+    """Advantage Reweighting (AR, docs/paper.md §3): A_hat_t = [alpha * pi_old(o_t) + (1 - alpha)] * A_t.
 
     The weight is linear in the rollout probability, so it damps exactly the tokens whose gradients are largest
     (norm ~ 1 - pi, §2). alpha = 0 returns A unchanged (plain GRPO); alpha = 1 weights each token by pi_old itself.
@@ -85,7 +85,7 @@ def lopti_stages(
     eta: float,
     order: Literal["low_first", "high_first"] = "low_first",
 ) -> list[tuple[str, torch.Tensor]]:
-    """Low-Probability Token Isolation (Lopti, PAPER.md §4): split the response tokens into two update stages.
+    """Low-Probability Token Isolation (Lopti, docs/paper.md §4): split the response tokens into two update stages.
 
     low = response tokens with pi_old = exp(old_logp) < eta; high = the rest of the response. The two masks partition
     ``mask``. The paper updates low first; ``order="high_first"`` is its ablation (worse than GRPO: the low tokens'
@@ -206,7 +206,7 @@ class _TokenLogprobs(torch.autograd.Function):
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
             probs = torch.exp(logits[rows].to(lse.dtype) / ctx.temperature - lse[rows, None])  # (n, V)
-            # d logp_y / d z = (e_y - p) / tau  (PAPER.md §2)
+            # d logp_y / d z = (e_y - p) / tau  (docs/paper.md §1)
             g = -probs * grad_logp[rows, None]
             g.scatter_add_(-1, ids[rows, None], grad_logp[rows, None])
             grad[rows] = (g / ctx.temperature).to(grad.dtype)

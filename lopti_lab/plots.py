@@ -12,6 +12,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from lopti_lab.methods import ORDER
+from lopti_lab.paper import FIG3_AR_LOPTI, FIG3_GRPO
+from lopti_lab.theory import grad_norm_bounds
+
 SIGN_COLORS = {"pos": "tab:blue", "neg": "tab:red"}
 SIGN_NAMES = {"pos": "A > 0", "neg": "A < 0"}
 
@@ -159,8 +163,6 @@ def fig2(
     light bars the share that did not move at all (counted apart, never as wrong); `sign` picks A > 0 ("pos", the
     paper's panel) or A < 0 ("neg"). Pass either or both; the figure has one panel per table given.
     """
-    from lopti_lab.theory import grad_norm_bounds
-
     if tokens is None and shift is None:
         raise ValueError("fig2 needs tokens (panel a) or shift (panel b)")
     if sign not in SIGN_NAMES:
@@ -210,6 +212,48 @@ def fig2(
     return fig
 
 
+def fig3(table: pd.DataFrame, binning: str = "q") -> Figure:
+    """The paper's Fig. 3 as measured during training (``demo.mechanism.fig3_table``): one panel per (precision,
+    optimizer setting), the correct ratio of positive-advantage tokens per probability bin for each method, mean and
+    95% interval over seeds x steps; solid: among the tokens that moved, dashed: an unmoved token counted as not up.
+    Drawn beside, the paper's values (``paper.FIG3_*``): AR and Lopti flat at 0.52-0.53 (band), GRPO about 0.53 in
+    the lower bins and below 0.50 above p = 0.75 (a bound, drawn as a bar down from 0.50)."""
+    _require(table, "table", ["optimizer", "method", "precision", "binning", "bin", "stat", "mean", "ci95"])
+    cells = table[table["binning"] == binning]
+    if cells.empty:  # every advantage was 0 (all rewards of each group equal): nothing was measured
+        fig = Figure(figsize=(6, 2), layout="constrained")
+        fig.add_subplot().text(0.5, 0.5, "no positive-advantage token was measured", ha="center", va="center")
+        return fig
+    precisions = list(dict.fromkeys(cells["precision"]))
+    optimizers = list(dict.fromkeys(cells["optimizer"]))
+    fig = Figure(figsize=(4.6 * len(optimizers), 3.6 * len(precisions)), layout="constrained")
+    axes = np.atleast_2d(fig.subplots(len(precisions), len(optimizers), sharey=True, squeeze=False))
+    bins = sorted(cells["bin"].unique())
+    top = bins[-1]
+    for i, precision in enumerate(precisions):
+        for j, optimizer in enumerate(optimizers):
+            ax = axes[i, j]
+            ax.axhspan(*FIG3_AR_LOPTI, color="0.85", zorder=0, label="paper: AR / Lopti (flat)")
+            ax.plot([bins[0], top - 0.5], [FIG3_GRPO["p <= 0.75"]] * 2, color="0.4", lw=1, ls=":", label="paper: GRPO")
+            ax.annotate("", (top, 0.47), (top, 0.50), arrowprops={"arrowstyle": "->", "color": "0.4"})
+            ax.axhline(0.5, color="0.6", lw=0.6)
+            here = cells[(cells["precision"] == precision) & (cells["optimizer"] == optimizer)]
+            for k, method in enumerate(_methods(here)):
+                for stat, style in (("correct_moved", "-"), ("correct", "--")):
+                    rows = here[(here["method"] == method) & (here["stat"] == stat)].set_index("bin").reindex(bins)
+                    label = method if stat == "correct_moved" else None
+                    ax.errorbar(np.array(bins) + 0.04 * k, rows["mean"], yerr=rows["ci95"], color=f"C{k}", ls=style,
+                                marker="o", ms=3, capsize=2, label=label)  # fmt: skip
+            ax.set_title(f"{optimizer}, {precision} forwards", fontsize="medium")
+            ax.set_xticks(bins)
+            if i == len(precisions) - 1:
+                ax.set_xlabel("probability bin of the rollout (0 = lowest)")
+            if j == 0:
+                ax.set_ylabel("correct ratio, A > 0")
+    axes[0, 0].legend(fontsize="x-small", loc="lower left")
+    return fig
+
+
 def kk_dataset(stats: pd.DataFrame) -> Figure:
     """K&K puzzles by people count, from `kk.dataset_stats`: (a) quiz and compact-trace length in words, (b) search
     steps and backtracks of the solver, (c) the mix of statement kinds."""
@@ -244,8 +288,6 @@ def kk_dataset(stats: pd.DataFrame) -> Figure:
 def softmax_gradients(table: pd.DataFrame, temperature: float | None = None) -> Figure:
     """(a) a small vocabulary's probabilities; (b) each token's gradient norm ||e_y - pi|| against its probability,
     inside the wedge of the two bounds. ``table`` is `widgets.softmax_table`: token, prob, grad_norm."""
-    from lopti_lab.theory import grad_norm_bounds
-
     _require(table, "table", ["token", "prob", "grad_norm"])
     fig = Figure(figsize=(11, 3.8), layout="constrained")
     ax_p, ax_g = fig.subplots(1, 2)
@@ -275,7 +317,7 @@ def softmax_gradients(table: pd.DataFrame, temperature: float | None = None) -> 
 
 
 def toy_dynamics(result) -> Figure:
-    """The theory toy's learning dynamics per method (`theory.simulate`): (a) reward, (b) the lowest and highest
+    """The theory toy's learning dynamics per method (`toy.simulate`): (a) reward, (b) the lowest and highest
     probability bins' share of the gradient, (c) the correct ratio of A > 0 tokens per bin over all steps (Fig. 2b)."""
     steps, bins, shift = result.steps, result.bins, result.shift
     fig = Figure(figsize=(16, 4), layout="constrained")
@@ -309,12 +351,10 @@ def toy_dynamics(result) -> Figure:
     return fig
 
 
-METHOD_ORDER = ("GRPO", "GRPO+AR", "GRPO+Lopti", "GRPO+AR+Lopti")
-
-
 def _methods(long: pd.DataFrame) -> list[str]:
+    """The methods of a table, registered ones in table order (``methods.ORDER``), then any others as they come."""
     present = list(dict.fromkeys(long["method"]))
-    return [m for m in METHOD_ORDER if m in present] + [m for m in present if m not in METHOD_ORDER]
+    return [m for m in ORDER if m in present] + [m for m in present if m not in ORDER]
 
 
 def learning_curves(

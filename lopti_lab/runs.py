@@ -18,10 +18,10 @@ power cut at any moment leaves a folder that ``check_resume`` can continue from:
        state.json last, then the folder renamed to step_{k} and checkpoints/ fsynced
     4. checkpoints/latest <- "step_{k}" (tmp + fsync + rename + fsync): the commit point of checkpoint k
 
-Because 2 precedes 3-4, the latest checkpoint's step always has its record. On resume, ``check_resume`` verifies the
-folder and ``repair_for_resume`` cuts it back to a consistent point: records after the checkpoint are dropped and
-their steps redone, a torn last line (a kill inside an append) is dropped and its step redone from the last
-checkpoint that all surviving records cover, partial checkpoints are removed. Anything else (a damaged line in the
+Because 2 precedes 3-4, the latest checkpoint's step always has its record. On resume, ``resume.check_resume``
+verifies the folder and ``resume.repair_for_resume`` cuts it back to a consistent point: records after the checkpoint
+are dropped and their steps redone, a torn last line (a kill inside an append) is dropped and its step redone from the
+last checkpoint that all surviving records cover, partial checkpoints are removed. Anything else (a damaged line in the
 middle, a step missing or doubled, a checkpoint whose files are missing or differ from state.json, a config.json that
 does not parse) is a RunFolderError naming the file and line; nothing is skipped in silence.
 
@@ -75,51 +75,33 @@ import random
 import re
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from lopti_lab import durable
+from lopti_lab.methods import method_label
 
 __all__ = [
-    "ResumePoint",
     "RunFolder",
     "RunFolderError",
-    "check_resume",
     "compare",
     "latest_checkpoint",
     "load_checkpoint",
     "load_config",
     "load_metrics",
     "load_run",
-    "method_label",
-    "repair_for_resume",
     "save_checkpoint",
 ]
 
 CONFIG, METRICS, CHECKPOINTS, LATEST = "config.json", "metrics.jsonl", "checkpoints", "latest"
 PARTIAL = ".partial"
-_STEP_FOLDER = re.compile(r"step_(\d+)")
+STEP_FOLDER = re.compile(r"step_(\d+)")
 
 
 class RunFolderError(ValueError):
     """A run folder that cannot be read or resumed as it is; the message names the file (and line)."""
-
-
-def method_label(config: Mapping | object) -> str:
-    """ "GRPO", "GRPO+AR", "GRPO+Lopti" or "GRPO+AR+Lopti" from a config (dict or dataclass).
-
-    AR counts as on when ar_alpha is set and > 0 (alpha = 0 is GRPO exactly); Lopti with order "high_first" (the
-    paper's ablation) reads "GRPO+Lopti(high-first)".
-    """
-    cfg = asdict(config) if is_dataclass(config) else dict(config)
-    label = "GRPO"
-    if cfg.get("ar_alpha"):
-        label += "+AR"
-    if cfg.get("lopti_eta"):
-        label += "+Lopti" + ("(high-first)" if cfg.get("lopti_order") == "high_first" else "")
-    return label
 
 
 class RunFolder:
@@ -147,8 +129,10 @@ class RunFolder:
 
     def truncate(self, step: int) -> None:
         """Keep only the records of steps <= ``step`` (their lines byte for byte), atomically."""
-        lines = [line for line in _lines(self.metrics_path) if not _torn(line)] if self.metrics_path.is_file() else []
-        kept = [line for line in lines if _record(self.metrics_path, line).get("step", 0) <= step]
+        lines = (
+            [line for line in lines_of(self.metrics_path) if not is_torn(line)] if self.metrics_path.is_file() else []
+        )
+        kept = [line for line in lines if record_of(self.metrics_path, line).get("step", 0) <= step]
         durable.atomic_write(self.metrics_path, b"".join(line.raw + b"\n" for line in kept))
 
 
@@ -179,11 +163,11 @@ def load_metrics(path: str | Path) -> list[dict]:
     if not file.is_file():
         return []
     records = []
-    for line in _lines(file):
-        if _torn(line):
+    for line in lines_of(file):
+        if is_torn(line):
             warnings.warn(f"{file} line {line.number}: torn last line ({len(line.raw)} bytes) left out", stacklevel=2)
             continue
-        records.append(_record(file, line))
+        records.append(record_of(file, line))
     return records
 
 
@@ -240,6 +224,7 @@ def save_checkpoint(path: str | Path, step: int, model, optimizer=None, tokenize
     """Save the trainable weights, optimizer state and RNG states after ``step`` (order 3-4 of the module docstring):
     into step_{k}.partial/, state.json with every file's size and sha256 last, rename, then point ``latest`` at it.
     A crash at any moment leaves the previous checkpoint as the latest."""
+    # torch (and models, which loads it) only here and in load_checkpoint: reading run folders stays light
     import numpy as np
     import torch
     from safetensors.torch import save
@@ -317,151 +302,11 @@ def load_checkpoint(folder: str | Path, model, optimizer=None, restore_rng: bool
     return int(json.loads((folder / "state.json").read_text(encoding="utf-8"))["step"])
 
 
-# --- resume: check, then repair -------------------------------------------------------------------------------------
-
-
-@dataclass
-class ResumePoint:
-    """Where a run continues: after ``step`` (0 = from the initial weights), from ``checkpoint``."""
-
-    step: int
-    checkpoint: Path | None
-    records: list[dict]
-    """the metrics of steps 1..step, which the resumed run keeps"""
-    config: dict
-    """config.json as saved"""
-    notes: list[str] = field(default_factory=list)
-    """what ``repair_for_resume`` changes and why (records dropped, a torn line, stale checkpoints)"""
-    kept: bytes = b""
-    """metrics.jsonl as it will be: the lines of the kept records, each newline-terminated"""
-
-
-def check_resume(path: str | Path) -> ResumePoint:
-    """Verify a run folder and find where it continues; reads only (``repair_for_resume`` applies the result).
-
-    Every complete line of metrics.jsonl must be a record and the steps must run 1, 2, ..., m, each once; the
-    checkpoint ``latest`` names must exist with every file state.json lists, at its size and sha256. It resumes at
-    the latest checkpoint when all of its steps have records, else (a torn or lost last line: the checkpoint is ahead
-    of the log) at the newest checkpoint, or the start, that the surviving records cover. RunFolderError otherwise.
-    """
-    path = Path(path)
-    if not (path / CONFIG).is_file():
-        what = "a metrics.jsonl but no config.json" if (path / METRICS).exists() else "no config.json"
-        raise RunFolderError(f"{path} holds no run to resume ({what}); start it without resume")
-    config = load_config(path)
-    lines, records = _consistent_lines(path / METRICS)
-    last, notes = len(records), []
-    if len(lines) > last:
-        notes.append(f"{METRICS} line {lines[-1].number}: a torn last line ({len(lines[-1].raw)} bytes) is dropped")
-    latest = _committed_step(path)
-    chosen = latest
-    if latest is not None and latest > last:
-        chosen = max((k for k in _checkpoint_steps(path) if k <= last), default=None)
-        start = f"step_{chosen}" if chosen is not None else "the start"
-        notes.append(f"checkpoint step_{latest} is ahead of {METRICS} (last record: step {last}): resuming from "
-                     f"{start}")  # fmt: skip
-    step = chosen or 0
-    folder = None if chosen is None else _verified(path / CHECKPOINTS / f"step_{chosen}", chosen)
-    if last > step:
-        notes.append(f"the records of {_span(step + 1, last)} come after the checkpoint: dropped, and redone")
-    kept = b"".join(line.raw + b"\n" for line in lines[:step])
-    return ResumePoint(step, folder, records[:step], config, notes, kept)
-
-
-def repair_for_resume(path: str | Path, point: ResumePoint) -> None:
-    """Make the folder match ``point``, in an order that a crash at any moment leaves re-checkable: metrics.jsonl cut
-    to the kept records, ``latest`` pointed at the checkpoint resumed from, then newer and partial checkpoints and
-    leftover .tmp files removed."""
-    path = Path(path)
-    metrics = path / METRICS
-    if metrics.is_file() and metrics.read_bytes() != point.kept:
-        durable.atomic_write(metrics, point.kept)
-    root = path / CHECKPOINTS
-    if point.checkpoint is None:
-        durable.remove(root / LATEST)
-    elif latest_checkpoint(path) != point.checkpoint:
-        durable.atomic_write(root / LATEST, (point.checkpoint.name + "\n").encode())
-    stale = [root / f"step_{k}" for k in _checkpoint_steps(path) if k > point.step]
-    stale += [*root.glob(f"*{PARTIAL}"), *root.glob(f"*{durable.TMP}"), *path.glob(f"*{durable.TMP}")]
-    for leftover in stale:
-        durable.remove(leftover)
-
-
-def _consistent_lines(file: Path) -> tuple[list[_Line], list[dict]]:
-    """The lines and records of metrics.jsonl if steps run 1..m with one record each (a torn last line is kept in
-    the lines but has no record); RunFolderError naming the line otherwise."""
-    lines = _lines(file) if file.is_file() else []
-    records: list[dict] = []
-    for line in lines:
-        if _torn(line):
-            break
-        record = _record(file, line)
-        step = record.get("step")
-        if not (isinstance(step, int) and not isinstance(step, bool)):
-            raise RunFolderError(f"{file} line {line.number}: no integer 'step' in the record")
-        expected = len(records) + 1
-        if step != expected:
-            problem = f"step {step} again" if step < expected else f"step {step} where step {expected} is missing"
-            raise RunFolderError(f"{file} line {line.number}: {problem} (each step needs exactly one record)")
-        records.append(record)
-    return lines, records
-
-
-def _committed_step(path: Path) -> int | None:
-    """The step ``checkpoints/latest`` names (verified later), or None when there is no committed checkpoint."""
-    pointer = path / CHECKPOINTS / LATEST
-    if not pointer.exists():
-        return None
-    match = _STEP_FOLDER.fullmatch(pointer.read_bytes().decode("utf-8", "replace").strip())
-    if match is None:
-        raise RunFolderError(f"{pointer} line 1: not a checkpoint name (step_<k>)")
-    folder = path / CHECKPOINTS / match.group(0)
-    if not folder.is_dir():
-        raise RunFolderError(f"{pointer} names {match.group(0)}, but {folder} does not exist (a missing checkpoint)")
-    return int(match.group(1))
-
-
-def _checkpoint_steps(path: Path) -> list[int]:
-    root = path / CHECKPOINTS
-    found = [_STEP_FOLDER.fullmatch(p.name) for p in root.iterdir()] if root.is_dir() else []
-    return sorted(int(m.group(1)) for m in found if m is not None)
-
-
-def _verified(folder: Path, step: int) -> Path:
-    """``folder`` if it is the complete checkpoint of ``step``: state.json names the step and every file it lists
-    has its recorded size and sha256 (checkpoints saved before the file list existed: the weights and RNG files)."""
-    state_file = folder / "state.json"
-    if not state_file.is_file():
-        raise RunFolderError(f"{state_file} is missing (a partial checkpoint)")
-    try:
-        state = json.loads(state_file.read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RunFolderError(f"{state_file}: not valid JSON ({err})") from None
-    if not isinstance(state, dict) or state.get("step") != step:
-        raise RunFolderError(f"{state_file}: records step {state.get('step') if isinstance(state, dict) else state!r}"
-                             f", not {step}")  # fmt: skip
-    listed = state.get("files") or {
-        name: None for name in ("rng.pt",) + (("adapter",) if (folder / "adapter").is_dir() else ("model.safetensors",))
-    }
-    for name, meta in listed.items():
-        file = folder / name
-        if not file.exists():
-            raise RunFolderError(f"{file} is missing (a partial checkpoint)")
-        if meta is None:
-            continue
-        size = file.stat().st_size
-        if size != meta["bytes"]:
-            raise RunFolderError(f"{file}: {size} bytes, state.json records {meta['bytes']} (a partial checkpoint)")
-        if _sha256(file.read_bytes()) != meta["sha256"]:
-            raise RunFolderError(f"{file}: content differs from the sha256 in state.json (a damaged checkpoint)")
-    return folder
-
-
 # --- helpers -------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Line:
+class Line:
     number: int
     """1-based line number in the file"""
     raw: bytes
@@ -469,16 +314,16 @@ class _Line:
     terminated: bool
 
 
-def _lines(file: Path) -> list[_Line]:
-    """The lines of a file as bytes: b'a\\nb' -> [_Line(1, b'a', True), _Line(2, b'b', False)]."""
+def lines_of(file: Path) -> list[Line]:
+    """The lines of a file as bytes: b'a\\nb' -> [Line(1, b'a', True), Line(2, b'b', False)]."""
     parts = file.read_bytes().split(b"\n")
-    lines = [_Line(i, raw, True) for i, raw in enumerate(parts[:-1], 1)]
+    lines = [Line(i, raw, True) for i, raw in enumerate(parts[:-1], 1)]
     if parts[-1]:
-        lines.append(_Line(len(parts), parts[-1], False))
+        lines.append(Line(len(parts), parts[-1], False))
     return lines
 
 
-def _parse(line: _Line) -> tuple[dict | None, str]:
+def _parse(line: Line) -> tuple[dict | None, str]:
     """(record, "") or (None, what is wrong)."""
     try:
         value = json.loads(line.raw.decode("utf-8"))
@@ -489,21 +334,16 @@ def _parse(line: _Line) -> tuple[dict | None, str]:
     return value, ""
 
 
-def _torn(line: _Line) -> bool:
+def is_torn(line: Line) -> bool:
     """An unterminated last line that does not parse: a prefix of an append (the writer adds the newline last)."""
     return not line.terminated and _parse(line)[0] is None
 
 
-def _record(file: Path, line: _Line) -> dict:
+def record_of(file: Path, line: Line) -> dict:
     record, problem = _parse(line)
     if record is None:
         raise RunFolderError(f"{file} line {line.number}: {problem}")
     return record
-
-
-def _span(first: int, last: int) -> str:
-    """'step 3' or 'steps 3-5'."""
-    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def _torch_bytes(obj) -> bytes:
@@ -514,14 +354,14 @@ def _torch_bytes(obj) -> bytes:
     return buffer.getvalue()
 
 
-def _sha256(data: bytes) -> str:
+def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def _manifest(folder: Path) -> dict[str, dict]:
     """{relative path: {"bytes", "sha256"}} of every file under ``folder``."""
     files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p.read_bytes())}
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_hex(p.read_bytes())}
             for p in files}  # fmt: skip
 
 

@@ -7,6 +7,7 @@ the tests drive them without a browser; in a notebook, display the panel (``pane
     SoftmaxExplorer   the softmax gradient of every token of a small vocabulary, under a temperature slider
     ToyPanel          the theory toy (GRPO / AR / Lopti / AR+Lopti) with its knobs
     TrainPanel        GRPO on K&K with AR and Lopti switches, Run and Stop, live plots, a progress bar
+    MechanismPanel    the paper's Fig. 3 under the optimizer a switch picks, and why (measured on a frozen batch)
     ComparePanel      pick run folders, compare learning curves and final accuracy
 
 Plots are drawn by ``lopti_lab.plots`` into ``Output`` widgets with ``clear_output(wait=True)``, so a refresh replaces
@@ -17,100 +18,24 @@ from __future__ import annotations
 
 import base64
 import io
-import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import ipywidgets as W
 import pandas as pd
+import torch
 from IPython.display import display
 
-from lopti_lab import plots
-from lopti_lab.labmodel import prompt_style_of
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the notebooks' first cell
-
-
-@dataclass(frozen=True)
-class Environment:
-    """What the first cell of every notebook decides: where we run and which policy we train."""
-
-    in_colab: bool
-    device: str
-    """"cuda" or "cpu"."""
-    model: str
-    """A Qwen2.5 Instruct hub id on a GPU, "lab" (the bundled lab model) on a CPU."""
-    lora_r: int | None
-    """LoRA rank for hub models; None (full fine-tuning) for the tiny lab model."""
-    prompt_style: str
-    """"instruct" (the Logic-RL prompt) for Qwen; for the lab model the prompt its traces were trained on
-    (``labmodel.prompt_style_of``: for the bundled one "chat_quiz_numfirst_bare", the quiz alone with each
-    person's number before their name)."""
-    quick: bool
-
-    def _repr_markdown_(self) -> str:
-        where = "Colab" if self.in_colab else "local"
-        tuning = "full fine-tuning" if self.lora_r is None else f"LoRA r={self.lora_r}"
-        return (
-            f"**{where}, {self.device}**: policy `{self.model}` ({tuning}, prompt style `{self.prompt_style}`)"
-            f"{', QUICK mode' if self.quick else ''}"
-        )
-
-
-def setup(quick: bool = False, model: str | None = None, device: str | None = None) -> Environment:
-    """Detect Colab and a GPU and pick the policy: Qwen/Qwen2.5-1.5B-Instruct with LoRA on a GPU, the lab model on a
-    CPU (and always in QUICK mode). Pass ``model`` to override (any hub id, local folder or "lab")."""
-    import torch
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if model is None:
-        model = "Qwen/Qwen2.5-1.5B-Instruct" if device == "cuda" and not quick else "lab"
-    lab = model == "lab"
-    return Environment(
-        in_colab="google.colab" in sys.modules,
-        device=device,
-        model=model,
-        lora_r=None if lab else 16,
-        prompt_style=prompt_style_of("lab") if lab else "instruct",
-        quick=quick,
-    )
-
-
-def training_defaults(env: Environment, steps: int | None = None):
-    """A TrainConfig that fits the environment: the demo's CPU settings for the lab model (QUICK: 2 steps and a tiny
-    evaluation), a one-GPU LoRA setup for Qwen2.5 (the paper's RL settings with shorter responses and fewer prompts
-    per step). ``steps`` overrides the number of RL steps."""
-    from lopti_lab.experiments import DemoConfig
-    from lopti_lab.trainer import TrainConfig
-
-    if env.model == "lab":
-        demo = DemoConfig(quick=env.quick)
-        config = replace(demo.train_config("GRPO", 0, Path("runs") / "unnamed"), eval_every=0 if env.quick else 5)
-    else:
-        config = TrainConfig(
-            model=env.model,
-            lora_r=env.lora_r,
-            prompt_style=env.prompt_style,
-            device=env.device,
-            gradient_checkpointing=True,
-            prompts_per_step=16,
-            group_size=8,
-            minibatch_size=64,
-            generate_batch_size=64,
-            micro_batch_size=8,  # the update and log-prob forwards: 8 x 1024 x 151,936 bf16 logits = 2.3 GiB
-            max_new_tokens=1024,
-            lr=2e-5,
-            steps=100,
-            eval_every=25,
-            eval_size=50,
-            probe_every=10,
-            save_every=25,
-        )
-    return replace(config, steps=steps or config.steps)
-
+from lopti_lab import plots, runs
+from lopti_lab.demo.mechanism import OPTIMIZER_SETTINGS, decomposition
+from lopti_lab.methods import METHODS, ORDER, method_label, run_name
+from lopti_lab.notebook import Environment, setup, training_defaults
+from lopti_lab.theory import grad_norm_bounds, logit_grad_norm
+from lopti_lab.toy import ToyConfig, simulate
+from lopti_lab.train_config import OPTIMIZERS, TrainConfig
+from lopti_lab.trainer import train
 
 # Matplotlib is not thread-safe (figures share its font cache), and a TrainPanel draws from its training thread while
 # other panels draw on the kernel's main thread: every panel renders its figures under this lock.
@@ -156,11 +81,7 @@ class _Panel:
 
 def softmax_table(logits: Sequence[float], temperature: float = 1.0) -> pd.DataFrame:
     """For each token y of a small vocabulary: its probability softmax(z / tau)_y, the norm ||e_y - pi|| of the
-    gradient of log pi_y with respect to the logits, and the two bounds (PAPER.md §2)."""
-    import torch
-
-    from lopti_lab.theory import grad_norm_bounds, logit_grad_norm
-
+    gradient of log pi_y with respect to the logits, and the two bounds (docs/paper.md §1)."""
     z = torch.tensor(list(logits), dtype=torch.float64) / temperature
     V = len(z)
     p = z.softmax(-1)
@@ -199,12 +120,8 @@ class ToyPanel(_Panel):
     """The theory toy with switches for the four methods, AR's alpha, Lopti's eta, the optimizer and the steps."""
 
     def __init__(self, steps: int = 30, seed: int = 0):
-        from lopti_lab.theory import ToyConfig
-
         defaults = ToyConfig()
-        self.methods = {
-            name: W.Checkbox(value=True, description=name, indent=False) for name in ("GRPO", "AR", "Lopti", "AR+Lopti")
-        }
+        self.methods = {name: W.Checkbox(value=True, description=name, indent=False) for name in ORDER}
         self.alpha = W.FloatSlider(value=0.3, min=0.0, max=1.0, step=0.05, description="AR alpha")
         self.eta = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="Lopti eta")
         self.optimizer = W.ToggleButtons(options=["adam", "sgd"], value=defaults.optimizer, description="optimizer")
@@ -224,25 +141,14 @@ class ToyPanel(_Panel):
         )
 
     def chosen(self):
-        from lopti_lab.theory import Method
-
+        """The methods ticked, at the sliders' alpha and eta."""
         alpha, eta = self.alpha.value, self.eta.value
-        every = {
-            "GRPO": Method("GRPO"),
-            "AR": Method("AR", alpha=alpha),
-            "Lopti": Method("Lopti", eta=eta),
-            "AR+Lopti": Method("AR+Lopti", alpha=alpha, eta=eta),
-        }
-        return [every[name] for name, box in self.methods.items() if box.value]
+        return [METHODS[name].with_settings(alpha, eta) for name, box in self.methods.items() if box.value]
 
     def config(self):
-        from lopti_lab.theory import ToyConfig
-
         return ToyConfig(steps=self.steps.value, optimizer=self.optimizer.value, seed=self.seed.value)
 
     def run(self):
-        from lopti_lab.theory import simulate
-
         methods = self.chosen()
         if not methods:
             _show(self.output, "Pick at least one method.")
@@ -287,6 +193,7 @@ class TrainPanel(_Panel):
         self.lopti = W.Checkbox(value=base.lopti_eta is not None, description="Lopti", indent=False)
         self.eta = W.FloatSlider(value=base.lopti_eta or 0.5, min=0.05, max=0.95, step=0.05, description="eta")
         self.order = W.Dropdown(options=["low_first", "high_first"], value=base.lopti_order, description="order")
+        self.optimizer = W.ToggleButtons(options=list(OPTIMIZERS), value=base.optimizer, description="optimizer")
         self.steps = W.IntText(value=base.steps, description="steps")
         self.lr = W.FloatLogSlider(
             value=base.lr, base=10, min=-7, max=-2, step=0.1, description="lr", readout_format=".1e"
@@ -315,6 +222,7 @@ class TrainPanel(_Panel):
                 W.HBox([self.ar, self.alpha]),
                 W.HBox([self.lopti, self.eta, self.order]),
                 W.HBox([self.steps, self.lr]),
+                self.optimizer,
                 W.HBox([self.prompts, self.group_size]),
                 W.HBox([self.run_button, self.stop_button, self.progress, self.status]),
                 self.output,
@@ -323,24 +231,24 @@ class TrainPanel(_Panel):
 
     def config(self):
         """The TrainConfig the controls describe (validated: a bad value raises ValueError naming the field)."""
-        import time as _time
-
-        from lopti_lab.runs import method_label
-
         values = {
             "model": self.model.value.strip(),
             "ar_alpha": self.alpha.value if self.ar.value else None,
             "lopti_eta": self.eta.value if self.lopti.value else None,
             "lopti_order": self.order.value,
+            "optimizer": self.optimizer.value,
             "steps": self.steps.value,
             "lr": self.lr.value,
             "group_size": self.group_size.value,
             "prompts_per_step": self.prompts.value,
         }
+        if values["optimizer"] == "sgd":  # AdamW's betas and epsilon have no meaning there
+            defaults = TrainConfig(model=self.base.model)
+            values |= {"betas": defaults.betas, "adam_eps": defaults.adam_eps}
         batch = values["group_size"] * values["prompts_per_step"]
         if self.base.minibatch_size > batch or batch % self.base.minibatch_size:
             values["minibatch_size"] = batch  # the panel's batch changed: one minibatch per stage
-        name = self.name.value.strip() or f"{method_label(values).lower()}-{_time.strftime('%Y%m%d-%H%M%S')}"
+        name = self.name.value.strip() or run_name(method_label(values))
         return replace(self.base, run_dir=str(self.run_root / name), progress=False, **values)
 
     def _on_step(self, metrics: dict) -> bool:
@@ -355,8 +263,6 @@ class TrainPanel(_Panel):
     def run(self, block: bool | None = None):
         """Start training. In a live kernel it runs in a background thread (so Stop stays clickable) unless
         ``block=True``; elsewhere it blocks and returns the TrainResult."""
-        from lopti_lab.trainer import train
-
         if self._thread is not None and self._thread.is_alive():
             self.status.value = "already running"
             return None
@@ -404,6 +310,32 @@ class TrainPanel(_Panel):
         if self._thread is not None:
             self._thread.join(timeout)
         return self.result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the mechanism
+
+
+class MechanismPanel(_Panel):
+    """The paper's Fig. 3 under one optimizer setting at a time (a switch), from a mechanism study's table
+    (``demo.mechanism.fig3_source``), and, measured live on a frozen batch, why that optimizer moves the top bin's
+    tokens as it does (``demo.mechanism.decomposition``: the share of their move that comes from the other bins)."""
+
+    def __init__(self, table: pd.DataFrame, model, batch, optimizer: str = "sgd"):
+        self.table, self.model, self.batch = table, model, batch
+        choices = [o for o in OPTIMIZER_SETTINGS if o in set(table["optimizer"])] or list(OPTIMIZER_SETTINGS)
+        self.optimizer = W.ToggleButtons(options=choices, value=optimizer if optimizer in choices else choices[0],
+                                         description="optimizer")  # fmt: skip
+        self.output = W.Output()
+        self.parts: pd.DataFrame | None = None
+        self.optimizer.observe(lambda _: self.refresh(), names="value")
+        self.widget = W.VBox([self.optimizer, self.output])
+        self.refresh()
+
+    def refresh(self) -> None:
+        chosen = self.optimizer.value
+        self.parts = decomposition(self.model, self.batch, [chosen])
+        _show(self.output, plots.fig3(self.table[self.table["optimizer"] == chosen]), self.parts.round(3))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -459,8 +391,6 @@ class ComparePanel(_Panel):
 
     def show(self):
         """Draw the comparison of the selected runs; returns the tidy table it drew from."""
-        from lopti_lab import runs
-
         chosen = list(self.runs.value)
         if not chosen:
             _show(self.output, "No run selected (train one with the TrainPanel or `lopti-lab train`).")
@@ -479,8 +409,6 @@ class ComparePanel(_Panel):
 
 
 def _metric_keys(run_dir: str | Path) -> set[str]:
-    from lopti_lab import runs
-
     records = runs.load_metrics(run_dir)
     return {k for r in records[:3] for k, v in r.items() if isinstance(v, int | float) and k != "step"}
 

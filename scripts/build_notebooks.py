@@ -1,16 +1,26 @@
-"""Write notebooks/*.ipynb from the cell lists in notebooks/src/*.py (the notebooks' source of truth).
+"""Write notebooks/*.ipynb from the cell lists in notebooks/src/*.py (the notebooks' source of truth), executed.
 
-    .venv/bin/python scripts/build_notebooks.py          # rewrite every notebook (outputs stripped)
-    .venv/bin/python scripts/build_notebooks.py --check  # exit 1 if a committed notebook differs from its source
+    .venv/bin/python scripts/build_notebooks.py                # rebuild every notebook, run it in full (minutes)
+    .venv/bin/python scripts/build_notebooks.py --only 02 04   # just these
+    .venv/bin/python scripts/build_notebooks.py --check        # exit 1 if a committed notebook is stale or unexecuted
+
+The committed notebooks carry the outputs of a full run (``QUICK = False``) on the CPU lab, so that a reader on a
+repository browser or in Colab sees every figure before running anything. Each runs in a scratch folder (its run
+folders and reports land there, not in the checkout), one kernel at a time, with the kernel's torch on
+``--threads`` threads. ``--check`` compares the cells' sources with notebooks/src, ignoring outputs, and requires
+every code cell to have run without an error.
 
 A source file is plain Python split into cells by ``# %%`` lines (``# %% [markdown]`` for a markdown cell whose
-lines are comments), the "percent" format that Jupytext, VS Code and Spyder read. The tests execute the .ipynb files.
+lines are comments), the "percent" format that Jupytext, VS Code and Spyder read. The tests execute QUICK copies.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import nbformat
@@ -18,6 +28,8 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ROOT / "notebooks" / "src"
 KERNEL = {"display_name": "Python 3", "language": "python", "name": "python3"}
+MAX_TOTAL_BYTES = 5_000_000
+"""The five executed notebooks together stay under 5 MB (figures at the notebooks' own dpi)."""
 
 
 def parse_cells(text: str) -> list[tuple[str, str]]:
@@ -50,22 +62,66 @@ def build(source: Path) -> nbformat.NotebookNode:
     return nb
 
 
+def execute(nb: nbformat.NotebookNode, threads: int, timeout: int) -> float:
+    """Run every cell of ``nb`` in place, in a fresh kernel started in a scratch folder; returns the seconds taken."""
+    from nbclient import NotebookClient
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    with tempfile.TemporaryDirectory(prefix="lopti_lab_nb_") as scratch:
+        start = time.perf_counter()
+        # the panels' widget state is stored with the outputs: JupyterLab shows them as they were left
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": scratch}},
+                                store_widget_state=True)  # fmt: skip
+        client.km = client.create_kernel_manager()
+        client.start_new_kernel(env=env)
+        try:
+            client.start_new_kernel_client()
+            client.execute(cleanup_kc=False)
+        finally:
+            client._cleanup_kernel()
+    return time.perf_counter() - start
+
+
+def stale_reasons(source: Path, target: Path) -> list[str]:
+    """Why a committed notebook is not the executed build of its source (empty: it is)."""
+    if not target.is_file():
+        return ["missing"]
+    committed = nbformat.read(target, as_version=4)
+    built = build(source)
+    if [(c.cell_type, c.source) for c in committed.cells] != [(c.cell_type, c.source) for c in built.cells]:
+        return ["its cells differ from notebooks/src (rebuild it)"]
+    reasons = []
+    code = [c for c in committed.cells if c.cell_type == "code"]
+    if any(c.execution_count is None for c in code):
+        reasons.append("not executed (every code cell must have run)")
+    if any(o.get("output_type") == "error" for c in code for o in c.outputs):
+        reasons.append("a cell ended in an error")
+    return reasons
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only compare, do not write")
+    parser.add_argument("--only", nargs="+", default=None, metavar="NN", help="notebook numbers, e.g. 02 04")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each kernel (default 2)")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds one cell may take (default 3600)")
     args = parser.parse_args(argv)
-    stale = []
-    for source in sorted(SOURCES.glob("*.py")):
+    sources = [s for s in sorted(SOURCES.glob("*.py")) if args.only is None or s.stem[:2] in args.only]
+    problems = []
+    for source in sources:
         target = ROOT / "notebooks" / f"{source.stem}.ipynb"
-        text = nbformat.writes(build(source)) + "\n"
         if args.check:
-            if not target.is_file() or target.read_text(encoding="utf-8") != text:
-                stale.append(target.name)
-        else:
-            target.write_text(text, encoding="utf-8")
-            print(f"wrote {target.relative_to(ROOT)}")
-    if stale:
-        print(f"out of date (run scripts/build_notebooks.py): {', '.join(stale)}", file=sys.stderr)
+            problems += [f"{target.name}: {why}" for why in stale_reasons(source, target)]
+            continue
+        nb = build(source)
+        elapsed = execute(nb, args.threads, args.timeout)
+        target.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
+        print(f"wrote {target.relative_to(ROOT)}: executed in {elapsed:.0f} s, {target.stat().st_size / 1e6:.2f} MB")
+    total = sum(p.stat().st_size for p in (ROOT / "notebooks").glob("*.ipynb"))
+    if total > MAX_TOTAL_BYTES:
+        problems.append(f"the notebooks take {total / 1e6:.1f} MB together, over {MAX_TOTAL_BYTES / 1e6:.0f} MB")
+    if problems:
+        print("notebooks out of date (run scripts/build_notebooks.py):\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
     return 0
 

@@ -13,15 +13,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # retrying for ~25 s, and fall back to the bundled data.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SHARED_KK = Path(__file__).resolve().parents[2] / "shared" / "reference" / "kk"
+REFERENCE_KK = Path(__file__).resolve().parent / "fixtures" / "kk_reference"
 
 
 @pytest.fixture(scope="session")
-def shared_kk() -> Path:
-    """The real K&K records beside the checkout (../shared/reference/kk); tests that need them skip loudly if absent."""
-    if not SHARED_KK.is_dir():
-        pytest.skip(f"reference K&K records not found at {SHARED_KK}")
-    return SHARED_KK
+def reference_kk() -> Path:
+    """The real K&K records bundled with the tests (tests/fixtures/kk_reference: source and licence in its README)."""
+    assert (REFERENCE_KK / "test").is_dir(), f"the K&K test fixture is missing: {REFERENCE_KK}"
+    return REFERENCE_KK
 
 
 @pytest.fixture(scope="session", autouse=True)

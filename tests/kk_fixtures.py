@@ -1,11 +1,12 @@
-"""Shared helpers for the K&K tests: the reference records beside the checkout."""
+"""Shared helpers for the K&K tests: the real K&K records bundled as a fixture (tests/fixtures/kk_reference/README.md
+names their source and licence)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "kk"
+REFERENCE = Path(__file__).resolve().parent / "fixtures" / "kk_reference"
 
 
 def reference_records() -> list[dict]:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lopti_lab import bad_inputs, labmodel, models, trainer
+from lopti_lab import bad_inputs, models, train_config, trainer
+from lopti_lab.lab import model as lab_model
+from lopti_lab.lab import pretrain
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
 
@@ -20,7 +22,8 @@ def rows():
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded while checking a bad input")
 
-    for module, name in ((models, "load_policy"), (trainer, "load_policy"), (labmodel, "build_model")):
+    for module, name in ((models, "load_policy"), (trainer, "load_policy"), (lab_model, "build_model"),
+                         (pretrain, "build_model")):  # fmt: skip
         patch.setattr(module, name, no_model)
     try:
         yield bad_inputs.all_rows()
@@ -43,7 +46,15 @@ def test_every_bad_input_is_refused_by_name(rows):
     accepted = [f"{r.subject} = {r.value} ({r.kind}): {r.error}" for r in rows if not r.ok]
     assert not accepted, "\n".join(accepted)
     sections = {r.section for r in rows}
-    assert sections == {"TrainConfig", "DemoConfig", "PretrainConfig", "K&K file", "run folder"}
+    assert sections == {*bad_inputs.config_classes(), "K&K file", "run folder"}
+    assert set(bad_inputs.config_classes()) == {
+        "TrainConfig",
+        "DemoConfig",
+        "MechanismConfig",
+        "PretrainConfig",
+        "EvalConfig",
+        "DataConfig",
+    }
     for owner, cls in bad_inputs.config_classes().items():  # every field appears, with a wrong type among its rows
         for f in dataclasses.fields(cls):
             kinds = [r.kind for r in rows if r.subject == f"{owner}.{f.name}"]
@@ -58,7 +69,7 @@ def test_committed_table_is_current(rows):
 
 def test_the_table_notices_an_accepted_value(monkeypatch):
     """The check can fail: with TrainConfig's validation switched off, its cases are reported as accepted."""
-    monkeypatch.setattr(trainer, "_validate", lambda config: None)
+    monkeypatch.setattr(train_config, "_validate", lambda config: None)
     rows = [r for r in bad_inputs.config_rows() if r.section == "TrainConfig"]
     assert rows and not any(r.ok for r in rows) and {r.error for r in rows} == {"ACCEPTED"}
 

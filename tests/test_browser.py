@@ -97,7 +97,7 @@ def test_01_panels_redraw_when_their_controls_move(browser, lab):
 
     plot = plot_of(toy)
     before = plot.get_attribute("src")
-    toy.get_by_label("Lopti", exact=True).uncheck()
+    toy.get_by_label("GRPO+Lopti", exact=True).uncheck()
     toy.get_by_role("button", name="Run").click()
     changes(plot, before)
     finish(page, lab)

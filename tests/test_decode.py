@@ -1,4 +1,4 @@
-"""decode.py and lean_qwen2.py: the lean Qwen2 path against HF, token for token and in distribution.
+"""fast.decode and fast.forward: the lean Qwen2 path against HF, token for token and in distribution.
 
 - greedy: the same tokens as HF generate, on tiny random Qwen2s of several shapes (GQA, MQA, MHA, explicit head_dim,
   tied or untied embeddings, rope theta and scaling, LoRA) and on the bundled lab model, with left padding and
@@ -19,8 +19,8 @@ from tiny import tiny_qwen2, tiny_tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from lopti_lab.decode import lean_generate, pick_tokens, top_p_filter
-from lopti_lab.lean_qwen2 import lean_unsupported, length_buckets
+from lopti_lab.fast.decode import lean_generate, pick_tokens, top_p_filter
+from lopti_lab.fast.forward import lean_unsupported, length_buckets
 from lopti_lab.rollout import add_logprobs, response_logprobs, sample, use_lean
 
 PROMPTS = [
@@ -195,7 +195,7 @@ def test_lab_model_matches_hf_generate():
     """The bundled lab model on real K&K prompts: greedy to the end of each answer, and sampled at T = 0.7 under the
     same seed (no compaction) token for token; the decoder's log-probs equal a forward's to 2e-5."""
     from lopti_lab.kk import build_prompt, load_split
-    from lopti_lab.labmodel import LAB_PROMPT_STYLE
+    from lopti_lab.lab.trace import RL_PROMPT_STYLE as LAB_PROMPT_STYLE
     from lopti_lab.models import load_policy
 
     model, tokenizer = load_policy("lab", lora=None)
@@ -318,7 +318,7 @@ def test_the_path_choice_is_explicit(tok, monkeypatch):
     for path, expected in [("auto", 0), ("hf", 1)]:
         sample(model, tok, PROMPTS[:1], 2, max_new_tokens=3, fast_path=path)
         assert len(calls) == expected
-    from lopti_lab.trainer import TrainConfig
+    from lopti_lab.train_config import TrainConfig
 
     with pytest.raises(ValueError, match="fast_path"):
         TrainConfig(fast_path="fastest")

@@ -5,7 +5,9 @@ import math
 import pandas as pd
 import pytest
 
-from lopti_lab import demo_report, experiments
+from lopti_lab.demo import report as demo_report
+from lopti_lab.demo import stats
+from lopti_lab.demo.config import DemoConfig
 
 WARM = demo_report.WARM
 
@@ -15,26 +17,26 @@ WARM = demo_report.WARM
     [(1, 12.706), (2, 4.303), (4, 2.776), (10, 2.228), (30, 2.042), (120, 1.980)],  # two-sided 95% t table values
 )
 def test_t_quantile_matches_the_printed_t_table(df, published):
-    assert abs(demo_report.t_quantile(0.975, df) - published) < 6e-4
+    assert abs(stats.t_quantile(0.975, df) - published) < 6e-4
 
 
 def test_t_cdf_of_one_degree_of_freedom_is_the_cauchy_distribution():
     for x in (-3.0, -0.5, 0.0, 0.7, 5.0):
-        assert abs(demo_report.t_cdf(x, 1) - (0.5 + math.atan(x) / math.pi)) < 1e-9
+        assert abs(stats.t_cdf(x, 1) - (0.5 + math.atan(x) / math.pi)) < 1e-9
 
 
 def test_ci95_is_t_times_the_standard_error_of_the_mean():
     values = [0.80, 0.86, 0.83, 0.91, 0.88]
     mean = sum(values) / 5
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 4)
-    assert abs(demo_report.ci95(values) - 2.7764451 * sd / math.sqrt(5)) < 1e-6
-    assert math.isnan(demo_report.ci95([0.5]))
+    assert abs(stats.ci95(values) - 2.7764451 * sd / math.sqrt(5)) < 1e-6
+    assert math.isnan(stats.ci95([0.5]))
 
 
 @pytest.mark.parametrize(("p", "df"), [(0.4, 3), (1.0, 3), (0.975, 0)])
 def test_t_quantile_rejects_bad_arguments(p, df):
     with pytest.raises(ValueError, match=r"p must|df must"):
-        demo_report.t_quantile(p, df)
+        stats.t_quantile(p, df)
 
 
 def _frame():
@@ -63,7 +65,7 @@ def test_paired_differences_to_grpo_report_ties_apart():
 
 
 def test_markdown_and_verdict_with_several_seeds():
-    config = experiments.DemoConfig(seeds=3, methods=("GRPO", "GRPO+AR"), out="unused")
+    config = DemoConfig(seeds=3, methods=("GRPO", "GRPO+AR"), out="unused")
     frame = _frame()
     frame["avg_se"] = 0.02
     mean, spread = demo_report.spread_over_seeds(frame)
@@ -116,7 +118,7 @@ def test_each_seed_is_compared_with_the_warm_start_evaluated_under_its_own_sampl
     evaluation's noise) and each run's gain subtracts the warm start of its seed."""
     from lopti_lab import runs
 
-    config = experiments.DemoConfig(out=str(tmp_path / "demo"), eval_people=(3,), seeds=2)
+    config = DemoConfig(out=str(tmp_path / "demo"), train={"eval_people": (3,)}, seeds=2)
 
     def record(acc):
         return {f"eval/{mode}/acc_3ppl": acc for mode in ("sample", "greedy")} | {"eval/sample/acc_3ppl_se": 0.03}

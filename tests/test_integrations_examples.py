@@ -2,7 +2,7 @@
 
 DeepSpeed and vLLM cannot run on this CPU machine: the accelerate configs are checked by accelerate's own loader
 and launch validation (which builds the environment a real launch would export), the recipes by parsing them into
-the script's dataclasses. Neither says that a GPU run works; README "Beyond one GPU" says what was run.
+the script's dataclasses. Neither says that a GPU run works; docs/trl.md says what was run.
 """
 
 import importlib.util

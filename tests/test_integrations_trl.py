@@ -31,7 +31,8 @@ from lopti_lab.integrations.trl import (  # noqa: E402
 from lopti_lab.kk import generate_puzzle, score_response  # noqa: E402
 from lopti_lab.objective import lopti_stages, policy_loss, reweight_advantages  # noqa: E402
 from lopti_lab.rollout import Rollout, response_logprobs  # noqa: E402
-from lopti_lab.trainer import TrainConfig, advantages_and_stages, update_policy  # noqa: E402
+from lopti_lab.train_config import TrainConfig  # noqa: E402
+from lopti_lab.trainer import advantages_and_stages, update_policy  # noqa: E402
 
 ETA = 0.5
 
@@ -197,7 +198,7 @@ def test_minibatch_token_mean_is_a_no_op_in_trls_default_layout(peaky_model, dat
 @pytest.mark.parametrize("layout", ["one step per generation", "two iterations"])
 def test_ar_loss_and_gradient_equal_a_hand_computation(peaky_model, dataset, tmp_path, layout):
     """At the rollout weights the ratio is 1, so the clipped loss is -sum_t A_hat_t / N with
-    A_hat_t = [alpha * pi_old(o_t) + 1 - alpha] * A (PAPER.md §3) and N the generation batch's response tokens
+    A_hat_t = [alpha * pi_old(o_t) + 1 - alpha] * A (docs/paper.md §3) and N the generation batch's response tokens
     (DAPO, one optimizer step per generation); pi_old and the gradient come from a naive float32 forward here
     (logits / T, log_softmax, gather), independent of TRL's fused LM head."""
     alpha = 0.3

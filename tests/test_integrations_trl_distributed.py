@@ -1,6 +1,8 @@
 """The real distributed path on CPU: ``torchrun`` starts two processes (gloo) running examples/trl/train_kk.py,
 TRL's GRPOTrainer subclass with AR + Lopti, for 2 RL steps on the bundled lab model with the K&K reward, and saves
-checkpoints. One thread per process; about 30 s on the 2-core CI machine."""
+checkpoints. The model is loaded the standard way (AutoTokenizer, AutoModelForCausalLM) and prompted in the style its
+config names, so its rewards in TRL are those of lopti_lab's own rollouts of the same puzzles. One thread per
+process."""
 
 import json
 import os
@@ -20,6 +22,26 @@ from lopti_lab.paths import data_dir
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def own_rollout_rates(puzzles: int, group: int, max_new_tokens: int) -> dict:
+    """Accuracy and format-error rate of lopti_lab's own rollouts of the bundled model on the first ``puzzles``
+    2-person training puzzles, ``group`` samples each at T = 1.0."""
+    from lopti_lab.evaluate import score_rollout
+    from lopti_lab.kk import build_prompt, load_split
+    from lopti_lab.models import load_policy, prompt_style_of
+    from lopti_lab.rollout import sample
+
+    model, tokenizer = load_policy("lab", lora=None, device="cpu")
+    chosen = load_split("train", 2, limit=puzzles)
+    torch.manual_seed(0)
+    prompts = [build_prompt(p, prompt_style_of("lab"), tokenizer) for p in chosen]
+    rollout = sample(model, tokenizer, prompts, group, max_new_tokens=max_new_tokens, temperature=1.0)
+    rewards = score_rollout(rollout, chosen)
+    return {
+        "accuracy": sum(r.total == 3.0 for r in rewards) / len(rewards),
+        "format_error_rate": sum(r.format_score < 0 for r in rewards) / len(rewards),
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -32,9 +54,9 @@ def test_two_processes_train_two_rl_steps_with_ar_and_lopti_and_save_a_checkpoin
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
         "--master_port", str(free_port()), str(ROOT / "examples" / "trl" / "train_kk.py"),
-        "--model_name_or_path", "lab", "--people", "2", "--train_limit", "8", "--prompt_style", "chat_quiz",
+        "--model_name_or_path", "lab", "--people", "2", "--train_limit", "8",
         "--ar_alpha", "0.3", "--lopti_eta", "0.5", "--rl_steps", "2",
-        "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "256",
+        "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "640",
         "--temperature", "1.0", "--learning_rate", "1e-5", "--lr_scheduler_type", "constant",
         "--output_dir", str(out), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
         "--report_to", "none", "--use_cpu", "true", "--bf16", "false", "--gradient_checkpointing", "false",
@@ -44,6 +66,7 @@ def test_two_processes_train_two_rl_steps_with_ar_and_lopti_and_save_a_checkpoin
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "GRPO+AR+Lopti on 2 process(es) (MULTI_CPU, backend gloo)" in result.stdout
+    assert "prompt style chat_quiz_numfirst_bare" in result.stdout  # the lab model's own, from its config
     assert "2 optimizer steps per RL step, max_steps 4" in result.stdout
 
     final = out / "checkpoint-4"  # 2 RL steps x 2 stages x 1 optimizer step each
@@ -60,6 +83,12 @@ def test_two_processes_train_two_rl_steps_with_ar_and_lopti_and_save_a_checkpoin
     for entry in generations:
         assert 0.0 <= entry["lopti/low_share"] <= 1.0 and 0.7 <= entry["ar/weight_mean"] <= 1.0
         assert {"kk/format", "kk/answer", "kk/accuracy", "rewards/kk_reward/mean"} <= set(entry)
+    # the same model's own rollouts of the same puzzles, at the same temperature: TRL sees what lopti_lab sees
+    own = own_rollout_rates(puzzles=8, group=4, max_new_tokens=640)
+    trl_acc = sum(e["kk/accuracy"] for e in generations) / len(generations)
+    trl_format = sum(e["kk/format_error_rate"] for e in generations) / len(generations)
+    assert abs(trl_acc - own["accuracy"]) < 0.3, (trl_acc, own)  # 32 completions a side: same order of accuracy
+    assert trl_format <= own["format_error_rate"] + 0.1, (trl_format, own)  # no unparseable answers of its own
 
     start = load_file(data_dir() / "lab_model" / "model.safetensors")
     trained = load_file(final / "model.safetensors")

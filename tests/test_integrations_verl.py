@@ -64,8 +64,8 @@ def test_compute_score_matches_score_response_on_our_export(our_export):
     check_file(our_export)
 
 
-def test_compute_score_matches_score_response_on_the_logic_rl_file(shared_kk):
-    path = shared_kk / "logic_rl_3ppl_test.parquet"
+def test_compute_score_matches_score_response_on_the_logic_rl_file(reference_kk):
+    path = reference_kk / "logic_rl_3ppl_test.parquet"
     check_file(path)
     assert len(rows_of(path)) == 100
 

@@ -13,7 +13,7 @@ from lopti_lab.kk.generate import CLOSING, OPENING, join_names
 
 
 @pytest.fixture(scope="module")
-def records(shared_kk):
+def records(reference_kk):
     return reference_records()
 
 

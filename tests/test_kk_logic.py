@@ -12,7 +12,7 @@ from lopti_lab.kk.logic import count_solutions, mentioned
 
 
 @pytest.fixture(scope="module")
-def records(shared_kk):
+def records(reference_kk):
     return reference_records()
 
 

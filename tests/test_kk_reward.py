@@ -17,7 +17,7 @@ def wrap(answer: str, think: str = " reasoning ") -> str:
 
 
 @pytest.fixture(scope="module")
-def records(shared_kk):
+def records(reference_kk):
     return reference_records()
 
 
@@ -180,7 +180,7 @@ def test_the_number_first_quiz_puts_each_number_before_its_name_and_changes_noth
     import re
 
     from lopti_lab.kk.reward import bare_quiz, build_prompt, numbered_quiz
-    from lopti_lab.labmodel import build_tokenizer
+    from lopti_lab.lab.tokenizer import build_tokenizer
 
     quoted = 0
     for record in records[::7]:

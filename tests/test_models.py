@@ -1,11 +1,8 @@
-"""models.py: name checks, loading a saved tiny Qwen2 with and without LoRA, "lab" delegation, the reference policy."""
-
-import sys
-import types
+"""models.py: name checks, loading a saved tiny Qwen2 with and without LoRA, "lab" (the bundled folder), the prompt
+style a model's config names, the reference policy."""
 
 import pytest
 import torch
-from tiny import tiny_qwen2, tiny_tokenizer
 
 from lopti_lab.models import (
     DEFAULT_LORA_TARGETS,
@@ -13,6 +10,8 @@ from lopti_lab.models import (
     Reference,
     check_model_name,
     load_policy,
+    model_path,
+    prompt_style_of,
     resolve_dtype,
     trainable_state_dict,
 )
@@ -62,19 +61,36 @@ def test_load_policy_bfloat16(model_dir):
         resolve_dtype("fp8")
 
 
-def test_load_policy_lab_delegates_to_labmodel(monkeypatch):
-    tok = tiny_tokenizer()
-    fake = types.ModuleType("lopti_lab.labmodel")
-    fake.load_lab_model = lambda: (tiny_qwen2(len(tok)), tok)
-    monkeypatch.setitem(sys.modules, "lopti_lab.labmodel", fake)
+def test_load_policy_lab_is_the_standard_loader_on_the_bundled_folder():
+    """ "lab" names the bundled folder: load_policy gives exactly what AutoTokenizer / AutoModelForCausalLM give."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lopti_lab.paths import lab_model_dir
+
     model, tokenizer = load_policy("lab", lora=None, device="cpu")
-    assert tokenizer is tok and model.config.vocab_size == len(tok)
+    assert model_path("lab") == str(lab_model_dir())
+    auto_tok = AutoTokenizer.from_pretrained(lab_model_dir())
+    assert type(tokenizer) is type(auto_tok) and tokenizer.get_vocab() == auto_tok.get_vocab()
+    auto = AutoModelForCausalLM.from_pretrained(lab_model_dir())
+    for (name, a), (_, b) in zip(model.state_dict().items(), auto.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert prompt_style_of("lab") == model.config.kk_prompt_style  # the prompt it was trained on, in its config
 
 
-def test_load_policy_lab_without_labmodel_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "lopti_lab.labmodel", None)  # import raises ImportError
-    with pytest.raises(ValueError, match="labmodel"):
+def test_load_policy_lab_without_the_bundled_folder_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOPTI_LAB_DATA", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="lopti-lab pretrain"):
         load_policy("lab", lora=None, device="cpu")
+
+
+def test_prompt_style_of_reads_a_folders_config(model_dir, tmp_path):
+    assert prompt_style_of(str(model_dir)) is None  # a model that names none (Qwen, the tiny test model)
+    assert prompt_style_of("Qwen/Qwen2.5-0.5B-Instruct") is None  # a hub id: nothing read, nothing downloaded
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not readable JSON"):
+        prompt_style_of(str(bad))
 
 
 def test_missing_path_fails_before_loading(tmp_path):

@@ -1,5 +1,5 @@
 """Every notebook runs top to bottom, headless, with QUICK = True on CPU; the committed files match their sources and
-carry no outputs."""
+carry the outputs of a full CPU run (a reader sees every figure before running anything), five under 5 MB."""
 
 import json
 import re
@@ -26,12 +26,20 @@ def test_there_are_five_notebooks_built_from_their_sources():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_committed_without_outputs_and_with_a_quick_flag(path):
+def test_committed_executed_in_full_with_a_quick_flag(path):
+    """Read before you run: every code cell of the committed notebook ran (QUICK = False), none in error, and the
+    figures are there."""
     nb = json.loads(path.read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    assert all(not c["outputs"] and c["execution_count"] is None for c in code)
+    assert all(c["execution_count"] is not None for c in code), "committed unexecuted: run scripts/build_notebooks.py"
+    assert not [o for c in code for o in c["outputs"] if o["output_type"] == "error"]
+    assert sum("image/png" in o.get("data", {}) for c in code for o in c["outputs"]) >= 1
     assert re.search(r"^QUICK = False", "".join(code[0]["source"]), re.M), "the first code cell sets QUICK"
     assert nb["cells"][0]["cell_type"] == "markdown"
+
+
+def test_the_five_notebooks_stay_small():
+    assert sum(p.stat().st_size for p in NOTEBOOKS) < 5_000_000
 
 
 @pytest.mark.slow

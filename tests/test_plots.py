@@ -17,7 +17,7 @@ from tiny import tiny_qwen2
 
 from lopti_lab.plots import fig1, fig2
 from lopti_lab.probes import probability_shift, selective_sweep, token_stats
-from lopti_lab.theory import ToyConfig, simulate
+from lopti_lab.toy import ToyConfig, simulate
 
 TOY = ToyConfig(vocab_size=64, n_states=16, feature_dim=4, seq_len=8, n_prompts=4, group_size=4, steps=2)
 

@@ -12,11 +12,14 @@ from peft import LoraConfig, get_peft_model
 from tiny import tiny_qwen2
 from torch import nn
 
-from lopti_lab import probes
+from lopti_lab.bins import DEFAULT_BINS, bin_index
 from lopti_lab.probes import (
     GradientProbe,
+    _common,
     bin_gradient_norms,
     bin_gradients,
+    loss_attribution,
+    position,
     probability_shift,
     selective_sweep,
     selective_update,
@@ -24,7 +27,7 @@ from lopti_lab.probes import (
     token_stats,
 )
 from lopti_lab.probes.shift import in_float64
-from lopti_lab.theory import DEFAULT_BINS, bin_index, logit_grad_norm
+from lopti_lab.theory import logit_grad_norm
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = ["You meet 3 inhabitants: Zoey, Oliver, and Emma.", "Who is a knight?", "Emma said that Zoey is a knave."]
@@ -62,7 +65,7 @@ def make_batch(tokenizer, n: int = 4):
 
 def policy_loss(model, ids, attn, mask, adv):
     """Token-mean policy-gradient loss per token, (B, T)."""
-    logp = probes._response_logp(model, ids, attn, mask.shape[1])
+    logp = _common._response_logp(model, ids, attn, mask.shape[1])
     return -(adv[:, None] * logp) / mask.sum()
 
 
@@ -138,7 +141,7 @@ def test_loss_attribution_equals_a_naive_loop_with_one_backward_per_bin(setup):
     got = rows(table)
     assert rel_err(got.loc[got["bin"].notna(), "grad_norm"], naive) < 1e-5
     streamed = bin_gradient_norms(model, policy_loss(model, ids, attn, mask, adv), probs, mask, batched=False)
-    assert 4 * sum(p.numel() for p in params) < probes._BATCHED_MAX_VALUES  # so `table` took the batched way
+    assert 4 * sum(p.numel() for p in params) < loss_attribution._BATCHED_MAX_VALUES  # so `table` took the batched way
     np.testing.assert_allclose(streamed["grad_norm"], table["grad_norm"], rtol=ACROSS_BACKWARDS)
     np.testing.assert_allclose(streamed["grad_share"], table["grad_share"], rtol=1e-5, atol=1e-9)
     assert got.loc[got["bin"].notna(), "n_tokens"].sum() == mask.sum()
@@ -242,12 +245,28 @@ def explicit_position_split(model, ids, attn, mask, adv, probs):
     return {name: groups.detach() for name, groups in split.items()}
 
 
-ROUTES = {  # every way the probe can split a parameter, forced in turn
-    "auto": ("auto", probes._ONE_SHOT_MACS),
-    "gram": ("gram", probes._ONE_SHOT_MACS),
-    "one-shot matmul": ("matmul", 2**62),
-    "per-group matmul": ("matmul", 0),
+ROUTES = {  # every way the probe can split a parameter, forced in turn: (method, one-shot threshold, kernel it runs)
+    "auto": ("auto", position._ONE_SHOT_MACS, None),
+    "gram": ("gram", position._ONE_SHOT_MACS, "gram"),  # (a bias, never split by Gram, takes one kernel)
+    "one-shot matmul": ("matmul", 2**62, "all_groups"),
+    "per-group matmul": ("matmul", 0, "add_group"),
 }
+KERNELS = {"all_groups", "add_group", "gram"}
+
+
+def spy_routes(monkeypatch) -> set[str]:
+    """Which of the probe's kernels run: every group in one kernel, one group at a time, or the Gram route."""
+    used: set[str] = set()
+    for owner, name, tag in ((position._Use, "all_groups", "all_groups"), (position._Use, "add_group", "add_group"),
+                             (position.GradientProbe, "_split_gram", "gram")):  # fmt: skip
+        real = getattr(owner, name)
+
+        def spy(*args, _real=real, _tag=tag, **kwargs):
+            used.add(_tag)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+    return used
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
@@ -255,8 +274,9 @@ ROUTES = {  # every way the probe can split a parameter, forced in turn
 def test_position_attribution_equals_explicit_per_position_outer_products(tokenizer, monkeypatch, kind, route):
     model = make_model(len(tokenizer), lora=kind == "lora", tied=kind != "untied")
     ids, attn, mask, adv, probs = make_batch(tokenizer)
-    method, one_shot = ROUTES[route]
-    monkeypatch.setattr(probes, "_ONE_SHOT_MACS", one_shot)
+    method, one_shot, kernels = ROUTES[route]
+    monkeypatch.setattr(position, "_ONE_SHOT_MACS", one_shot)  # where _split_dense looks the threshold up
+    used = spy_routes(monkeypatch)
     split = explicit_position_split(model, ids, attn, mask, adv, probs)
     for name, p in trainable(model):
         if name in split:  # the explicit terms explain the real gradient
@@ -264,6 +284,9 @@ def test_position_attribution_equals_explicit_per_position_outer_products(tokeni
     model.zero_grad(set_to_none=True)
     loss = lambda: policy_loss(model, ids, attn, mask, adv)  # noqa: E731
     table = bin_gradient_norms(model, loss, probs, mask, attribution="position", level="param", method=method)
+    if kernels is not None:  # the route this case names is the one that ran, and no other route did
+        others = KERNELS - {kernels} - ({"all_groups"} if kernels == "gram" else set())
+        assert kernels in used and not used & others, (route, used)
     assert set(table["scope"]) - {"model"} == set(split)
     labels = ["[0, 0.25)", "[0.25, 0.5)", "[0.5, 0.75)", "[0.75, 1]", "context"]
     total_sq = {k: 0.0 for k in labels}
@@ -330,7 +353,7 @@ def test_gram_and_matmul_routes_agree(setup):
 def test_gram_route_on_a_batch_long_enough_for_the_blocked_product(tokenizer):
     """N = 12 x 29 positions > 256: the Gram's x x^T and g g^T come from row panels (_syrk)."""
     a = torch.randn(300, 7, dtype=torch.float64)
-    torch.testing.assert_close(probes._syrk(a), a @ a.T, rtol=0, atol=1e-12)
+    torch.testing.assert_close(position._syrk(a), a @ a.T, rtol=0, atol=1e-12)
     model = make_model(len(tokenizer), lora=False)
     ids, attn, mask, adv, probs = make_batch(tokenizer, 12)
     assert ids.numel() > 256
@@ -525,7 +548,7 @@ def test_selective_update_is_one_sgd_step_and_restores_the_weights(setup):
     # the same step by hand: bins from the model's own probabilities, token mean over every response token
     stats = token_stats(model, ids, attn, mask)
     chosen = mask & (bin_index(stats.prob) <= 1)
-    loss = -(adv[:, None] * probes._response_logp(model, ids, attn, mask.shape[1]))[chosen].sum() / mask.sum()
+    loss = -(adv[:, None] * _common._response_logp(model, ids, attn, mask.shape[1]))[chosen].sum() / mask.sum()
     params = [p for _, p in trainable(model)]
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     assert out.grad_norm == pytest.approx(math.sqrt(sum(float(g.square().sum()) for g in grads if g is not None)))
@@ -542,6 +565,33 @@ def test_selective_update_is_one_sgd_step_and_restores_the_weights(setup):
         for k, v in before.items():
             model.state_dict()[k].copy_(v)
     torch.testing.assert_close(out.shift.delta_p, torch.where(mask, new - old, 0.0), rtol=0, atol=1e-12)
+
+
+def test_selective_update_adamw_is_torchs_first_adamw_step(setup):
+    """optimizer="adamw": the step torch.optim.AdamW takes first on the same gradient (no weight decay), whose size
+    is lr * g / (|g| + eps) per weight, not SGD's lr * g."""
+    model, ids, attn, mask, adv, _ = setup
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = selective_update(model, ids, attn, mask, adv, lr=1e-3, optimizer="adamw", adam_eps=1e-6)
+    sgd = selective_update(model, ids, attn, mask, adv, lr=1e-3)
+    loss = -(adv[:, None] * _common._response_logp(model, ids, attn, mask.shape[1]))[mask].sum() / mask.sum()
+    params = [p for _, p in trainable(model)]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    with in_float64(model):
+        old = token_stats(model, ids, attn, mask).prob
+    adamw = torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.0)
+    for p, g in zip(params, grads):
+        p.grad = torch.zeros_like(p) if g is None else g
+    adamw.step()
+    with torch.no_grad(), in_float64(model):
+        new = token_stats(model, ids, attn, mask).prob
+    with torch.no_grad():
+        for k, v in before.items():
+            model.state_dict()[k].copy_(v)
+    torch.testing.assert_close(out.shift.delta_p, torch.where(mask, new - old, 0.0), rtol=1e-6, atol=1e-12)
+    assert not torch.allclose(out.shift.delta_p, sgd.shift.delta_p)
+    with pytest.raises(ValueError, match="optimizer"):
+        selective_update(model, ids, attn, mask, adv, optimizer="lion")
 
 
 def test_selective_sweep_grad_norms_match_the_loss_attribution(tokenizer):

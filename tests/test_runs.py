@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
+from lopti_lab.methods import method_label
 from lopti_lab.runs import (
     RunFolder,
     compare,
@@ -15,7 +16,6 @@ from lopti_lab.runs import (
     load_checkpoint,
     load_metrics,
     load_run,
-    method_label,
     save_checkpoint,
 )
 
@@ -167,7 +167,7 @@ def _name(p):
 
 def test_a_crash_inside_a_checkpoint_leaves_the_previous_one_latest(tmp_path, monkeypatch):
     from lopti_lab import durable
-    from lopti_lab.runs import check_resume, repair_for_resume
+    from lopti_lab.resume import check_resume, repair_for_resume
 
     folder, model, optimizer = _run_with_checkpoints(tmp_path, steps=4)
     folder.log({"step": 5, "reward/mean": 5.0})
@@ -192,7 +192,7 @@ def test_a_crash_inside_a_checkpoint_leaves_the_previous_one_latest(tmp_path, mo
 
 
 def test_a_torn_last_line_is_reported_and_its_step_redone(tmp_path):
-    from lopti_lab.runs import check_resume, repair_for_resume
+    from lopti_lab.resume import check_resume, repair_for_resume
 
     folder, *_ = _run_with_checkpoints(tmp_path, steps=4)
     with folder.metrics_path.open("ab") as f:
@@ -208,7 +208,7 @@ def test_a_torn_last_line_is_reported_and_its_step_redone(tmp_path):
 def test_a_lost_last_line_falls_back_to_the_checkpoint_the_records_cover(tmp_path):
     """The issue's power cut: record 4 is gone but checkpoint 4 survived. Resuming from step_4 would leave step 4
     without a record (1 2 3 5 ...); the resume goes back to step_2 and redoes steps 3-4."""
-    from lopti_lab.runs import check_resume, repair_for_resume
+    from lopti_lab.resume import check_resume, repair_for_resume
 
     folder, *_ = _run_with_checkpoints(tmp_path, steps=4)
     lines = folder.metrics_path.read_bytes().splitlines(keepends=True)
@@ -244,7 +244,8 @@ def test_a_lost_last_line_falls_back_to_the_checkpoint_the_records_cover(tmp_pat
     ],
 )  # fmt: skip
 def test_damage_is_an_error_naming_file_and_line(tmp_path, damage, message):
-    from lopti_lab.runs import RunFolderError, check_resume
+    from lopti_lab.resume import check_resume
+    from lopti_lab.runs import RunFolderError
 
     _run_with_checkpoints(tmp_path, steps=4)
     damage(tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lopti_lab.labmodel import lab_model_dir
+from lopti_lab.paths import lab_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

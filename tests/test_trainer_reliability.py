@@ -16,7 +16,8 @@ import lopti_lab.trainer as trainer
 from lopti_lab import runs
 from lopti_lab.kk import load_split
 from lopti_lab.models import LoraSpec, load_policy, trainable_state_dict
-from lopti_lab.trainer import NonFiniteError, TrainConfig, train, train_step
+from lopti_lab.train_config import TrainConfig
+from lopti_lab.trainer import NonFiniteError, train, train_step
 
 
 def _steady(run_dir) -> list[dict]:

@@ -2,15 +2,15 @@
 
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from tiny import fake_score
 
-import lopti_lab.trainer as trainer
-from lopti_lab import runs, theory, widgets
-from lopti_lab.trainer import TrainConfig
+from lopti_lab import evaluate, notebook, runs, theory, trainer, widgets
+from lopti_lab.train_config import TrainConfig
 
 
 def shows_png(output) -> bool:
@@ -19,7 +19,7 @@ def shows_png(output) -> bool:
 
 @pytest.fixture()
 def base(model_dir, monkeypatch):
-    monkeypatch.setattr(trainer, "score_response", fake_score)
+    monkeypatch.setattr(evaluate, "score_response", fake_score)
     return TrainConfig(
         model=str(model_dir),
         lora_r=4,
@@ -41,13 +41,16 @@ def base(model_dir, monkeypatch):
 
 
 def test_setup_picks_the_lab_model_on_cpu():
-    from lopti_lab.labmodel import LAB_PROMPT_STYLE, lab_model_dir, prompt_style_of
+    from lopti_lab.lab.trace import prompt_style
+    from lopti_lab.paths import lab_model_dir
 
-    env = widgets.setup(quick=True)
-    assert (env.model, env.lora_r, env.prompt_style, env.device) == ("lab", None, prompt_style_of("lab"), "cpu")
-    trace = json.loads((lab_model_dir() / "lab_model.json").read_text())["config"].get("trace")
-    assert trace is not None and env.prompt_style == LAB_PROMPT_STYLE  # the prompt the bundled model learned
-    assert widgets.setup(model="Qwen/Qwen2.5-0.5B-Instruct").lora_r == 16
+    env = notebook.setup(quick=True)
+    assert (env.model, env.lora_r, env.device) == ("lab", None, "cpu")
+    trace = json.loads((lab_model_dir() / "lab_model.json").read_text())["config"]["trace"]
+    from lopti_lab.lab.pretrain import PretrainConfig
+
+    assert env.prompt_style == prompt_style(PretrainConfig(trace=trace).trace)  # the prompt the bundled model learned
+    assert notebook.setup(model="Qwen/Qwen2.5-0.5B-Instruct").lora_r == 16
     assert "lab" in env._repr_markdown_()
 
 
@@ -66,11 +69,11 @@ def test_softmax_explorer_follows_the_temperature():
 
 def test_toy_panel_runs_the_chosen_methods():
     panel = widgets.ToyPanel(steps=3)
-    panel.methods["Lopti"].value = False
+    panel.methods["GRPO+Lopti"].value = False
     panel.alpha.value = 0.6
     result = panel.run()
-    assert list(result.steps["method"].unique()) == ["GRPO", "AR", "AR+Lopti"]
-    assert [m.alpha for m in panel.chosen()] == [0.0, 0.6, 0.6]
+    assert list(result.steps["method"].unique()) == ["GRPO", "GRPO+AR", "GRPO+AR+Lopti"]
+    assert [m.ar_alpha for m in panel.chosen()] == [None, 0.6, 0.6]
     assert shows_png(panel.output)
     for box in panel.methods.values():
         box.value = False
@@ -94,6 +97,11 @@ def test_train_panel_toggles_build_the_right_config(base, tmp_path):
     assert cfg.batch_size == 15 and 15 % cfg.minibatch_size == 0
     panel.name.value = "mine"
     assert panel.config().run_dir == str(tmp_path / "mine")
+    assert panel.config().optimizer == "adamw"
+    demo_like = widgets.TrainPanel(base=replace(base, adam_eps=1e-3), run_root=tmp_path)  # the demo's AdamW epsilon
+    demo_like.optimizer.value = "sgd"  # the paper's Fig. 1 / Fig. 3 optimizer: AdamW's settings are put back
+    cfg = demo_like.config()
+    assert (cfg.optimizer, cfg.adam_eps, cfg.betas) == ("sgd", 1e-8, (0.9, 0.999))
 
 
 def test_train_panel_run_writes_a_run_folder_and_plots(base, tmp_path):
@@ -156,10 +164,10 @@ def test_the_training_panel_on_a_cpu_runs_the_demos_grpo_with_an_evaluation_half
     from dataclasses import replace
     from pathlib import Path
 
-    from lopti_lab.experiments import DemoConfig
+    from lopti_lab.demo.config import DemoConfig
 
-    env = widgets.setup(quick=False, device="cpu")
-    config = widgets.training_defaults(env)
+    env = notebook.setup(quick=False, device="cpu")
+    config = notebook.training_defaults(env)
     demo = DemoConfig().train_config("GRPO", 0, Path("runs") / "unnamed")
     assert replace(config, eval_every=demo.eval_every) == demo
     assert config.eval_every == 5 and config.steps == 10 and config.prompt_style == env.prompt_style

@@ -10,7 +10,8 @@
 
 Every ``LoptiGRPOConfig`` field (TRL's GRPOConfig + ar_alpha, lopti_eta, lopti_order, minibatch_token_mean,
 rl_steps) and every TRL ``ModelConfig`` field (model_name_or_path, dtype, use_peft, lora_r, ...) is an option; a
-``--config`` YAML file sets their defaults. ``--model_name_or_path lab`` trains the bundled lab model.
+``--config`` YAML file sets their defaults. ``--model_name_or_path lab`` trains the bundled lab model (a standard
+checkpoint: the tokenizer comes from ``AutoTokenizer``, and the prompt style from its config.json).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from lopti_lab.integrations.trl import LoptiGRPOConfig, LoptiGRPOTrainer, kk_dataset, kk_reward
-from lopti_lab.kk import load_split
+from lopti_lab.kk import PROMPT_STYLES, load_split
 from lopti_lab.kk.data import parse_people
-from lopti_lab.paths import data_dir
+from lopti_lab.models import PROMPT_STYLE_KEY, model_path, prompt_style_of
 
 
 @dataclass
@@ -33,7 +34,13 @@ class KKArguments:
     people: str = field(default="3-7", metadata={"help": "people counts of the training puzzles: '3-7' or '3,5'"})
     train_limit: int | None = field(default=None, metadata={"help": "first N training puzzles per people count"})
     data_root: str | None = field(default=None, metadata={"help": "folder with train/*.jsonl (default: bundled)"})
-    prompt_style: str = field(default="instruct", metadata={"help": "instruct, base, chat or chat_quiz"})
+    prompt_style: str | None = field(
+        default=None,
+        metadata={
+            "help": "the prompt format (lopti_lab.kk.PROMPT_STYLES); default: the one the model's config.json names "
+            "(a lab model's), else instruct (Qwen's Logic-RL prompt)"
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,7 +48,14 @@ def main(argv: list[str] | None = None) -> None:
     data, args, model_args = parser.parse_args_and_config(argv)
     if model_args.model_name_or_path is None:
         parser.error("--model_name_or_path is required (a hub id, a local folder or 'lab')")
-    model = str(data_dir() / "lab_model") if model_args.model_name_or_path == "lab" else model_args.model_name_or_path
+    model = model_path(model_args.model_name_or_path)  # "lab": the bundled lab model's folder
+    own = prompt_style_of(model_args.model_name_or_path)  # the prompt a lab model was trained on; None: not named
+    style = data.prompt_style or own or "instruct"
+    if style not in PROMPT_STYLES:
+        parser.error(f"--prompt_style must be one of {PROMPT_STYLES}, got {style!r}")
+    if own is not None and style != own:
+        parser.error(f"--prompt_style {style!r}: {model} was trained on {own!r} (its config.json's "
+                     f"{PROMPT_STYLE_KEY}); leave --prompt_style unset to use it")  # fmt: skip
     args.model_init_kwargs = {"dtype": model_args.dtype or "float32", "revision": model_args.model_revision}
     if model_args.attn_implementation is not None:
         args.model_init_kwargs["attn_implementation"] = model_args.attn_implementation
@@ -52,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         model=model,
         reward_funcs=[kk_reward],
         args=args,
-        train_dataset=kk_dataset(puzzles, data.prompt_style, tokenizer),
+        train_dataset=kk_dataset(puzzles, style, tokenizer),
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
@@ -61,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         state = trainer.accelerator.state
         print(
             f"train_kk: {method} on {state.num_processes} process(es) ({state.distributed_type.value}, backend "
-            f"{state.backend}), {len(puzzles)} puzzles, "
+            f"{state.backend}), {len(puzzles)} puzzles, prompt style {style}, "
             f"{args.optimizer_steps_per_generation} optimizer steps per RL step, max_steps {args.max_steps}",
             flush=True,
         )

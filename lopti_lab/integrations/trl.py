@@ -8,7 +8,7 @@
 
 Everything TRL does stays TRL's: generation (HF or vLLM), reward gathering, group advantages, the optimizer, the
 scheduler, gradient accumulation, clipping, DeepSpeed/FSDP step counting, checkpoints. The subclass overrides four
-hooks and calls ``lopti_lab.objective`` for the math (PAPER.md §3-4):
+hooks and calls ``lopti_lab.objective`` for the math (docs/paper.md §3-4):
 
 ``_generate_and_score_completions``  once per generation: AR advantages (B, T) = [alpha * pi_old + (1 - alpha)] * A
     from the rollout policy's old log-probs (at the sampling temperature: TRL's fused LM head divides by it), and
@@ -24,7 +24,8 @@ hooks and calls ``lopti_lab.objective`` for the math (PAPER.md §3-4):
 
 The stage mask goes in as TRL's ``tool_mask`` (a loss-only mask; the attention mask is untouched), so the policy
 term, the KL term and the clip metrics of a stage cover only its tokens, while DAPO's denominator, fixed at
-generation, still counts every response token, as ``policy_loss(..., denom=...)`` does in our trainer (PAPER.md §4).
+generation, still counts every response token, as ``policy_loss(..., denom=...)`` does in our trainer
+(docs/paper.md §4).
 ``loss_type="dapo"`` (TRL's default) is the token mean: sum over the optimizer step's tokens / their count, whatever
 the accumulation or the number of processes.
 
@@ -195,7 +196,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         if args.lopti_eta is not None:
             if old_logp is None:  # _validate makes TRL compute it (num_iterations > 1); this guards a TRL change
                 raise RuntimeError("Lopti needs TRL's old_per_token_logps, which this generation did not compute")
-            stages = lopti_stages(old_logp, mask, args.lopti_eta, args.lopti_order)  # Lopti, PAPER.md §4
+            stages = lopti_stages(old_logp, mask, args.lopti_eta, args.lopti_order)  # Lopti, docs/paper.md §4
             output[STAGE_MASK] = torch.stack([m for _, m in stages], dim=1)  # (B, stages, T)
             low = dict(stages)["low"]
             self._log_global_mean("lopti/low_share", low.float(), mask)

@@ -18,7 +18,7 @@ as one user message, which the paper's verl fork tokenizes verbatim (``chat[0]["
 ``RLHFDataset`` applies the tokenizer's chat template to that message instead, wrapping the string in a second chat
 turn; use a dataset class that reads the content as is (``data.custom_cls.path/name``), or the paper's fork.
 
-Where AR and Lopti go (PAPER.md §3-4; the paper's code is a fork of verl 0.1, github.com/zhyang2226/AR-Lopti):
+Where AR and Lopti go (docs/paper.md §3-4; the paper's code is a fork of verl 0.1, github.com/zhyang2226/AR-Lopti):
 
 1. ``old_log_probs``: verl's actor recomputes them once per step (``compute_log_prob``) at the rollout
    temperature, before any update: exactly pi_old. Nothing to add.

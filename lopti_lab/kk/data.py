@@ -16,11 +16,14 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from lopti_lab.checks import FieldCheck, is_int
 from lopti_lab.kk.generate import Puzzle, generate_puzzle
 from lopti_lab.kk.logic import MAX_SOLVER_PEOPLE, contradiction, evaluate, solve
 from lopti_lab.kk.reward import instruct_prompt
+from lopti_lab.paths import data_dir
 
 SPLITS = ("train", "test")
 DEFAULT_PEOPLE = tuple(range(2, 9))
@@ -211,8 +214,6 @@ def split_files(split: str, people: int | Iterable[int], root: str | Path | None
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if root is None:
-        from lopti_lab.paths import data_dir
-
         root = data_dir() / "kk"
     files = []
     for n in _people_list(people):
@@ -329,32 +330,45 @@ def _progress(total: int, enabled: bool, desc: str):
     return tqdm(total=total, desc=desc, disable=not enabled, unit="puzzle")
 
 
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("data", help="build K&K train/test datasets (JSONL, optionally Logic-RL parquet)")
-    p.add_argument("--people", default="2-8", help="people counts, e.g. 2-8 or 3,5,7 (default 2-8)")
-    p.add_argument(
-        "--train-size", type=int, default=None, help="train puzzles per people count (default 800, 200 for 2 people)"
-    )
-    p.add_argument("--test-size", type=int, default=100, help="test puzzles per people count (default 100)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="data/kk", help="output folder (default data/kk)")
-    p.add_argument("--parquet", action="store_true", help="also write Logic-RL/verl parquet files per split")
-    p.set_defaults(func=_cli_data)
+@dataclass
+class DataConfig:
+    """`lopti-lab data`: build K&K train and test splits as JSONL (the HF dataset's layout), optionally as Logic-RL /
+    verl parquet too."""
 
+    people: tuple[int, ...] = DEFAULT_PEOPLE
+    """people counts to build (2-8 by default)"""
+    train_size: int | None = None
+    """train puzzles per people count (None: 800, and 200 for 2 people, which admit only 395 puzzles)"""
+    test_size: int = 100
+    """test puzzles per people count"""
+    seed: int = 0
+    """every puzzle's seed derives from (seed, split, people, index): the same dataset on every machine"""
+    out: str = "data/kk"
+    """output folder (train/ and test/ inside)"""
+    parquet: bool = False
+    """also write train.parquet and test.parquet in the Logic-RL / verl training layout"""
 
-def _cli_data(args) -> int:
-    try:
-        people = parse_people(args.people)
-        built = build_dataset(people, args.train_size, args.test_size, args.seed, out=args.out, progress=True)
-    except ValueError as err:
-        raise SystemExit(f"lopti-lab data: {err}") from None
-    if args.parquet:
-        for split in SPLITS:
-            puzzles = [p for (s, _), ps in built.items() if s == split for p in ps]
-            export_parquet(puzzles, Path(args.out) / f"{split}.parquet", split=split)
-    counts = ", ".join(f"{s}/{n}ppl: {len(ps)}" for (s, n), ps in sorted(built.items()))
-    print(f"wrote {args.out} ({counts})")
-    return 0
+    def __post_init__(self):
+        if isinstance(self.people, list):
+            self.people = tuple(self.people)
+        check = FieldCheck(self)
+        top = MAX_SOLVER_PEOPLE
+        check.items("people", lambda n: is_int(n) and 2 <= n <= top, f"people counts in 2..{top}", distinct=True)
+        check.integer("train_size", low=1, optional=True)
+        check.integer("test_size", low=1)
+        check.integer("seed", low=0)
+        check.text("out")
+        check.need(not Path(self.out).is_file(), "out", "must be a folder, not a file")
+        check.flag("parquet")
+
+    def build(self, progress: bool = True) -> dict[tuple[str, int], list[Puzzle]]:
+        """Generate and save the splits (and the parquet files); {(split, people): puzzles}."""
+        built = build_dataset(self.people, self.train_size, self.test_size, self.seed, out=self.out, progress=progress)
+        if self.parquet:
+            for split in SPLITS:
+                puzzles = [p for (s, _), ps in built.items() if s == split for p in ps]
+                export_parquet(puzzles, Path(self.out) / f"{split}.parquet", split=split)
+        return built
 
 
 # --- statistics -------------------------------------------------------------------------------------------------------

@@ -89,9 +89,9 @@ def base_prompt(puzzle: Puzzle) -> str:
 
 def numbered_quiz(puzzle: Puzzle, first: bool = False) -> str:
     """The quiz with every name followed by the person's number, their place in the quiz's list of inhabitants
-    (for the lab model's coded traces, which name people by number: ``labtrace.TraceStyle.numbered_quiz``); with
+    (for the lab model's coded traces, which name people by number: ``lab.trace.TraceStyle.numbered_quiz``); with
     ``first`` the number comes before the name ('1 Logan told you that 2 Sebastian is a knave', '" 2 Sebastian is a
-    knave," 1 Logan said': ``labtrace.TraceStyle.number_first``).
+    knave," 1 Logan said': ``lab.trace.TraceStyle.number_first``).
 
     >>> from lopti_lab.kk.generate import generate_puzzle
     >>> numbered_quiz(generate_puzzle(2, 0)).count(" 1")  # doctest: +SKIP

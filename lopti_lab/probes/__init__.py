@@ -6,8 +6,8 @@ V = vocabulary, K = probability bins, G = K + 1 position groups (bins + `context
 Layout (the trainer's contract). ``input_ids`` (B, L) is [left-padded prompt | right-padded response of T tokens], so
 the response is the LAST T input positions and the logits at input position L - T - 1 + t predict response token t.
 Per-token tensors are (B, T) over response tokens: ``logp``, ``old_logp``, ``response_mask`` (bool or 0/1) and
-``per_token_loss``. The probabilities that pick a token's bin are the rollout's, ``old_logp.exp()`` (PAPER.md §5);
-bins are edges as `theory.check_bins` takes them (default [0, .25), [.25, .5), [.5, .75), [.75, 1]).
+``per_token_loss``. The probabilities that pick a token's bin are the rollout's, ``old_logp.exp()`` (docs/paper.md §5);
+bins are edges as `bins.check_bins` takes them (default [0, .25), [.25, .5), [.5, .75), [.75, 1]).
 
 What it measures. The paper's claim is about the size of the gradient each token sends (its Fig. 1d). Two exact
 attributions split the gradient g of sum_t mask_t per_token_loss_t into per-bin parts g_k that add up to g:
@@ -56,7 +56,6 @@ gradient in .grad as loss.backward() would, so the call can replace that minibat
 Once detached (the ``with`` block ends) the probe has removed every hook and costs nothing.
 """
 
-from lopti_lab.probes import _common, loss_attribution, position
 from lopti_lab.probes._common import summarize, to_metrics
 from lopti_lab.probes.loss_attribution import bin_gradient_norms, bin_gradients
 from lopti_lab.probes.position import GradientProbe
@@ -66,13 +65,10 @@ from lopti_lab.probes.shift import (
     probability_shift,
     selective_sweep,
     selective_update,
+    shift_summary,
 )
 from lopti_lab.probes.token_stats import TokenStats, token_stats
-
-# internals that tests check directly (their thresholds and kernels)
-_response_logp = _common._response_logp
-_BATCHED_MAX_VALUES = loss_attribution._BATCHED_MAX_VALUES
-_ONE_SHOT_MACS, _syrk = position._ONE_SHOT_MACS, position._syrk
+from lopti_lab.probes.update_shift import fig3_metrics, positive_rows, update_logprobs
 
 __all__ = [
     "GradientProbe",
@@ -81,10 +77,14 @@ __all__ = [
     "TokenStats",
     "bin_gradient_norms",
     "bin_gradients",
+    "fig3_metrics",
+    "positive_rows",
     "probability_shift",
     "selective_sweep",
     "selective_update",
+    "shift_summary",
     "summarize",
     "to_metrics",
     "token_stats",
+    "update_logprobs",
 ]

@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from lopti_lab.theory import bin_labels
+from lopti_lab.bins import bin_labels
 
 LEVELS = ("model", "layer", "param")
 COLUMNS = [

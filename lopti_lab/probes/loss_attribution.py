@@ -10,6 +10,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from lopti_lab.bins import DEFAULT_BINS, bin_index, check_bins
 from lopti_lab.probes._common import (
     _check_level,
     _check_like,
@@ -20,7 +21,6 @@ from lopti_lab.probes._common import (
     _table,
 )
 from lopti_lab.probes.position import GradientProbe
-from lopti_lab.theory import DEFAULT_BINS, bin_index, check_bins
 
 # ----------------------------------------------------------------------------------------------------------------------
 # attribution="loss": one batched backward over the bins

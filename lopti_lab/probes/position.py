@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from lopti_lab.bins import DEFAULT_BINS, bin_index, check_bins
 from lopti_lab.probes._common import (
     COLUMNS,
     _check_level,
@@ -22,7 +23,6 @@ from lopti_lab.probes._common import (
     summarize,
     to_metrics,
 )
-from lopti_lab.theory import DEFAULT_BINS, bin_index, check_bins
 
 # ----------------------------------------------------------------------------------------------------------------------
 # attribution="position": hooks that split dW = sum_t g_t a_t^T by the group of position t, in the ordinary backward

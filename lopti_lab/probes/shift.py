@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from lopti_lab.bins import DEFAULT_BINS, bin_index, bin_labels, check_bins
 from lopti_lab.probes._common import (
     _check_batch,
     _check_like,
@@ -22,7 +23,71 @@ from lopti_lab.probes._common import (
     _response_logp,
 )
 from lopti_lab.probes.loss_attribution import _or_zeros
-from lopti_lab.theory import DEFAULT_BINS, bin_index, bin_labels, check_bins, shift_summary
+from lopti_lab.rollout import response_logprobs
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The correct-ratio table (Fig. 2b)
+
+
+def shift_summary(tokens: pd.DataFrame, bins: Sequence[float] = DEFAULT_BINS, by: Sequence[str] = ()) -> pd.DataFrame:
+    """Per bin and advantage sign, how far probabilities moved, how many did not move at all, and the share of the
+    tokens that moved which moved the right way (Fig. 2b).
+
+    `tokens` has one row per response token with columns `bin` (int), `advantage` and `delta_p` (new - old
+    probability), optionally `dlogp` (new - old log-probability), plus any grouping columns named in `by` (e.g.
+    ``("method", "step")``). The direction of a move is the sign of `dlogp` when given (precise even where a
+    probability near 1 cannot show the move: 1 - 3e-5 and 1 - 2e-5 are the same float32 number), else of `delta_p`.
+    A token that did not move (direction 0) is *unmoved*: neither right nor wrong, counted apart. A token that moved is
+    *correct* when it moved the way its advantage asks: up for A > 0, down for A < 0. Tokens with A = 0 ask for
+    nothing and are left out. Returns one row per (by..., bin, sign) with sign in ("pos", "neg"), empty cells
+    included: `bin`, `label`, `sign`, `n_tokens` (tokens asked to move), `n_moved`, `unmoved_share`,
+    `correct_ratio` (among the moved; NaN when none moved), and the mean, median and quartiles of `delta_p`.
+
+    Example: a bin holding tokens (A, delta_p) = (+1, +.1), (+1, -.2), (+1, 0), (-1, -.3) has for "pos" n_tokens 3,
+    n_moved 2, unmoved_share 1/3 and correct_ratio .5 (one of the two that moved went up); for "neg" correct_ratio 1.
+    """
+    by = list(by)
+    labels = bin_labels(bins)
+    missing = {"bin", "advantage", "delta_p", *by} - set(tokens.columns)
+    if missing:
+        raise ValueError(f"tokens lacks columns {sorted(missing)}")
+    adv = tokens["advantage"].to_numpy(dtype=float)
+    dp = tokens["delta_p"].to_numpy(dtype=float)
+    direction = np.sign(tokens["dlogp"].to_numpy(dtype=float) if "dlogp" in tokens.columns else dp)
+    asked = adv != 0
+    moved = direction[asked] != 0
+    right = np.where(adv[asked] > 0, direction[asked] > 0, direction[asked] < 0)
+    cells = tokens.loc[asked, [*by, "bin"]].assign(
+        sign=np.where(adv[asked] > 0, "pos", "neg"),
+        delta_p=dp[asked],
+        moved=moved.astype(float),
+        correct=np.where(moved, right.astype(float), np.nan),
+    )
+    keys = [*by, "bin", "sign"]
+    grouped = cells.groupby(keys, sort=False)
+    table = grouped.agg(
+        n_tokens=("moved", "size"),
+        n_moved=("moved", "sum"),
+        correct_ratio=("correct", "mean"),  # NaN (unmoved) rows are skipped: the ratio among the tokens that moved
+        dp_mean=("delta_p", "mean"),
+        dp_median=("delta_p", "median"),
+    )
+    # reindex: with no token asking for a move (every group's rewards tied) there are no cells and no columns
+    quartiles = grouped["delta_p"].quantile([0.25, 0.75]).unstack().reindex(columns=[0.25, 0.75])
+    table["dp_q25"], table["dp_q75"] = quartiles[0.25], quartiles[0.75]
+    # Every (group, bin, sign) cell appears, empty ones with n_tokens = 0, so tables from different runs line up.
+    groups = [()] if not by else list(tokens[by].drop_duplicates().itertuples(index=False, name=None))
+    full = pd.MultiIndex.from_tuples(
+        [(*g, k, s) for g in groups for k in range(len(labels)) for s in ("pos", "neg")], names=keys
+    )
+    table = table.reindex(full).reset_index()
+    table["n_tokens"] = table["n_tokens"].fillna(0).astype(int)
+    table["n_moved"] = table["n_moved"].fillna(0).astype(int)
+    table.insert(table.columns.get_loc("n_moved") + 1, "unmoved_share", 1 - table["n_moved"] / table["n_tokens"])
+    table.loc[table["n_tokens"] == 0, "unmoved_share"] = np.nan
+    table.insert(len(by) + 1, "label", [labels[k] for k in table["bin"]])
+    return table
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Probability shift (Fig. 2b) and selective updates (Fig. 1c, e, f)
@@ -39,7 +104,7 @@ class ProbabilityShift:
     moved (dlogp != 0), correct (True when the token moved the way the advantage's sign asks; <NA> for A = 0 and for a
     token that did not move)."""
     bins: pd.DataFrame
-    """`theory.shift_summary`: per (bin, sign in "pos"/"neg") n_tokens, n_moved, unmoved_share, correct_ratio (among
+    """`shift_summary`: per (bin, sign in "pos"/"neg") n_tokens, n_moved, unmoved_share, correct_ratio (among
     the tokens that moved) and delta_p quantiles."""
 
 
@@ -136,8 +201,6 @@ def float64_logprobs(
     """(B, T) log pi(response token | prefix) from float64 forwards (``rollout.response_logprobs``'s layout), no grad,
     in eval mode: what a probability-shift measurement should compare. Its rounding error is ~1e-15 where a float32
     forward's is ~1e-6, below the log-prob moves of one small update (1e-5 to 1e-8 on tokens near p = 1)."""
-    from lopti_lab.rollout import response_logprobs
-
     step = batch_size or len(input_ids)
     was_training = model.training
     model.eval()
@@ -180,11 +243,17 @@ def selective_update(
     params: Iterable[torch.Tensor] | None = None,
     temperature: float = 1.0,
     position_ids: torch.Tensor | None = None,
+    optimizer: str = "sgd",
+    adam_eps: float = 1e-8,
 ) -> SelectiveUpdate:
     """One SGD step on the policy-gradient loss of the tokens of `update_bins` only, then every token's probability
     change, with the model's weights restored exactly afterwards (the paper's Fig. 1c: all bins; e: only bin 0;
     f: only the top bin; SGD with lr 1e-3 as there). The shift is measured from float64 forwards before and after the
     step (``in_float64``), so the top bin's small moves are seen, not rounded away.
+
+    ``optimizer="adamw"`` takes AdamW's first step instead (fresh state, no weight decay): with bias correction its
+    moments are g and g^2, so each weight moves by lr * g / (|g| + adam_eps), sign-like where adam_eps << |g|. Unlike
+    SGD's, that step is not the sum of the steps of each bin's tokens alone.
 
     The loss is the GRPO token mean at ratio 1, L = -(1/n) sum_{t in update_bins} A_t log pi(o_t), n counting ALL
     response tokens (as Lopti's stages do), so the update on all bins is exactly GRPO's first minibatch step. Bins are
@@ -202,6 +271,8 @@ def selective_update(
         raise ValueError(f"update_bins must name bins in 0..{K - 1}, got {update_bins!r}")
     if not lr > 0:
         raise ValueError(f"lr must be positive, got {lr}")
+    if optimizer not in ("sgd", "adamw") or not adam_eps > 0:
+        raise ValueError(f"optimizer must be 'sgd' or 'adamw' (adam_eps > 0), got {optimizer!r}, {adam_eps!r}")
     named = _named_trainable(model, params)
     params = [p for _, p in named]
     was_training = model.training
@@ -213,6 +284,8 @@ def selective_update(
         loss = -(adv * logp).masked_fill(~in_update, 0).sum() / mask.sum().clamp_min(1)
         grads = [_or_zeros(g, p) for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params)]
         grad_norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+        if optimizer == "adamw":  # AdamW's first step: m_hat = g, v_hat = g^2
+            grads = [g / (g.abs() + adam_eps) for g in grads]
         saved = [p.detach().clone() for p in params]
         # the shift is measured in float64 forwards before and after the step (probability_shift)
         with torch.no_grad(), in_float64(model):

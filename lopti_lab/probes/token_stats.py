@@ -10,11 +10,11 @@ import pandas as pd
 import torch
 from torch import nn
 
+from lopti_lab.bins import DEFAULT_BINS, bin_index
 from lopti_lab.probes._common import (
     _check_batch,
     _response_logits,
 )
-from lopti_lab.theory import DEFAULT_BINS, bin_index
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Per-token statistics, without a backward pass

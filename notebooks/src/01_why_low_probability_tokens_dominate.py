@@ -8,8 +8,7 @@
 # the direction of the update and the many high-probability tokens are barely (or wrongly) moved. This notebook shows
 # why, first with one softmax, then with a small policy trained four ways.
 #
-# **Run time** of a full run (QUICK = False): about 10 s on a laptop CPU (measured: 8 s of one core); on one GPU: not
-# measured.
+# **Run time** of a full run (QUICK = False) on a CPU: TODO(time).
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -113,7 +112,7 @@ widgets.SoftmaxExplorer()
 #
 # ## A policy you can train in a second
 #
-# `theory.simulate` trains a softmax policy over 256 tokens in 64 shared-feature states with GRPO, AR, Lopti and
+# `toy.simulate` trains a softmax policy over 256 tokens in 64 shared-feature states with GRPO, AR, Lopti and
 # AR+Lopti from the same seed, logging each step's reward, the gradient share of every probability bin and how each
 # token's probability moved. Flip the methods, alpha, eta and the optimizer, and press Run.
 

@@ -6,10 +6,7 @@
 # bin, and reproduce the paper's Fig. 1 and Fig. 2 with our probes. At the end, one frozen batch is updated four
 # ways (GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti) from the same weights to see what each fix changes.
 #
-# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 247 s on this project's idle 2-core machine
-# (`jupyter nbconvert --execute`, kernel start included; 6 three-person puzzles x 8 samples of up to 512 tokens; the
-# previous lab model's shorter traces took 63 s), most of it in the selective sweep, the attribution tables and the
-# four-way counterfactual; on one GPU with Qwen2.5-1.5B-Instruct: not measured.
+# **Run time** of a full run (QUICK = False) on a CPU with the lab model: TODO(time).
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -36,18 +33,18 @@ from IPython.display import HTML
 
 %matplotlib inline
 
-from lopti_lab import experiments, kk, models, plots, probes, widgets
+from lopti_lab import counterfactual, kk, models, notebook, plots, probes, widgets
 
-env = widgets.setup(quick=QUICK)
+env = notebook.setup(quick=QUICK)
 env
 
 # %%
 lora = None if env.lora_r is None else models.LoraSpec(r=env.lora_r)
 model, tokenizer = models.load_policy(env.model, lora=lora, device=env.device)
 puzzles = kk.load_split("train", [3], limit=2 if QUICK else 6)
-batch = experiments.frozen_batch(model, tokenizer, puzzles, group_size=4 if QUICK else 8,
+batch = counterfactual.frozen_batch(model, tokenizer, puzzles, group_size=4 if QUICK else 8,
                                  prompt_style=env.prompt_style, temperature=1.0,
-                                 max_new_tokens=512 if env.model == "lab" else 1024)
+                                 max_new_tokens=640 if env.model == "lab" else 1024)
 rollout = batch.rollout
 print(f"{len(rollout)} responses, {int(rollout.response_mask.sum())} response tokens, "
       f"rewards {sorted(batch.rewards.tolist())}")
@@ -102,7 +99,7 @@ plots.fig1(sweep_tokens, sweep_grads)
 # positions. `grad_share` is $\langle g_k, g\rangle / \|g\|^2$: it adds up to one over the rows.
 
 # %%
-tables = experiments.attribution_tables(model, batch)
+tables = counterfactual.attribution_tables(model, batch)
 tables.query("scope == 'model'").pivot_table(index="label", columns="attribution",
                                               values=["token_share", "grad_share", "grad_norm"], sort=False).round(3)
 
@@ -118,6 +115,30 @@ tables.query("scope == 'model'").pivot_table(index="label", columns="attribution
 # only checks that the machinery runs.
 
 # %%
-shift = experiments.counterfactual(model, batch, lr=1e-3 if env.model == "lab" else 1e-4, optimizer="sgd")
+shift = counterfactual.counterfactual(model, batch, lr=1e-3 if env.model == "lab" else 1e-4, optimizer="sgd")
 display(shift.updates)
 plots.fig2(shift=shift.bins)
+
+# %% [markdown]
+# ## Fig. 3 during training, and why the optimizer decides it
+#
+# The paper measures its Fig. 3 inside training: at every step the real update runs (both Lopti stages), the
+# log-probs are recomputed on the same batch, and the share of positive-advantage tokens whose probability rose is
+# counted per probability bin. `lopti-lab mechanism` does that for the four methods under three optimizer settings
+# (the paper's SGD at lr $10^{-3}$, AdamW at $\epsilon = 10^{-8}$, the demo's AdamW at $\epsilon = 10^{-3}$), in
+# float64 and in bf16 as the paper's code computes it (solid: among the tokens that moved; dashed: an unmoved token
+# counted as not up); the grey band and the dotted line are the paper's values. The table read here is your own
+# `reports/mechanism` if you ran the command, else the study recorded with lopti_lab (docs/mechanism.md).
+#
+# The switch picks the optimizer; below the figure, this notebook's frozen batch measured live under that optimizer's
+# first step: the correct ratio of the top bin's A > 0 tokens when every token is updated, when only the top bin is,
+# and when only the other bins are, and how much of the all-token move lies along the other bins' move
+# (`from_rest`). Under SGD the update is the sum of the bins' updates; under AdamW's sign-like first step it is not
+# (`additivity`).
+
+# %%
+from lopti_lab.demo.mechanism import fig3_source
+
+table, source = fig3_source()
+print("Fig. 3 table from", source)
+widgets.MechanismPanel(table, model, batch)

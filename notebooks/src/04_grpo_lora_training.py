@@ -26,13 +26,10 @@
 # Every few steps the trainer also measures, per probability bin, the share of the gradient (`grad/share_bin*`) and
 # how the update moved the tokens' probabilities (`shift/correct_pos_bin*`).
 #
-# **Run time** of a full run (QUICK = False): the cells take about 5 s on a laptop CPU (measured: 3.5 s of one core);
-# training starts when you press Run. On a CPU the panel's default is the demo's GRPO run (10 steps of 8 puzzles x 8
-# samples on the lab model) with test evaluations at steps 5 and 10: the demo's own GRPO run, the same steps with one
-# evaluation, took 153-191 s on two threads of this project's 2-core machine, 26-35 s of it the evaluation (measured
-# before the update skipped the rows without a gradient; not re-timed in one process since), and over 5 seeds it
-# lifted sampled accuracy on 2-3-person puzzles by 21-27 points (README, "The demo"). On one GPU with
-# Qwen2.5-1.5B-Instruct: not measured.
+# **Run time** of a full run (QUICK = False) on a CPU: TODO(time) for the cells; training starts when you press Run.
+#
+# On a CPU the panel's default is the demo's GRPO run (10 steps of 8 puzzles x 8 samples on the lab model) with test
+# evaluations at steps 5 and 10; what the demo's runs gave is in docs/demo.md.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -57,9 +54,9 @@ if "google.colab" in sys.modules:  # on Colab: install lopti_lab's wheel and tur
 
 %matplotlib inline
 
-from lopti_lab import plots, runs, widgets
+from lopti_lab import notebook, plots, runs, widgets
 
-env = widgets.setup(quick=QUICK)  # widgets.setup(model="Qwen/Qwen2.5-3B-Instruct") to choose another policy
+env = notebook.setup(quick=QUICK)  # notebook.setup(model="Qwen/Qwen2.5-3B-Instruct") to choose another policy
 env
 
 # %% [markdown]
@@ -71,7 +68,7 @@ env
 # (`lopti-lab train --run-dir <folder> --resume` continues it). Every run lands in its own folder under `runs/`.
 
 # %%
-base = widgets.training_defaults(env)
+base = notebook.training_defaults(env)
 panel = widgets.TrainPanel(base=base, env=env)
 panel
 
@@ -107,12 +104,12 @@ if panel.result is not None:
 # The same run from a terminal:
 #
 # ```bash
-# lopti-lab train --model lab --lora-r none --prompt-style chat_quiz_numfirst_bare --ar 0.3 --lopti 0.5 --steps 10 \
-#     --train-people 2 3 --prompts-per-step 8 --group-size 8 --minibatch-size 32 --max-new-tokens 512 \
+# lopti-lab train --model lab --lora-r none --ar 0.3 --lopti 0.5 --steps 10 \
+#     --train-people 2 3 --prompts-per-step 8 --group-size 8 --minibatch-size 32 --max-new-tokens 640 \
 #     --temperature 1.0 --lr 1e-3 --adam-eps 1e-3 --kl-coef 0 --run-dir runs/ar_lopti
 # lopti-lab eval --run runs/ar_lopti --people 2 3
 # ```
 #
-# On one GPU with Qwen2.5-3B-Instruct, the paper's settings are `--model Qwen/Qwen2.5-3B-Instruct --lora-r 16
-# --lr 2e-5 --temperature 0.7 --max-new-tokens 4096 --gradient-checkpointing` (LoRA wants a larger learning rate
-# than the paper's full fine-tuning at 1e-6).
+# The prompt style comes from the model's config (the lab model's own). On one GPU with Qwen2.5-3B-Instruct, the
+# paper's settings are `--model Qwen/Qwen2.5-3B-Instruct --lora-r 16 --lr 2e-5 --temperature 0.7 --max-new-tokens 4096
+# --gradient-checkpointing` (LoRA wants a larger learning rate than the paper's full fine-tuning at 1e-6).

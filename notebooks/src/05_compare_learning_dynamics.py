@@ -5,10 +5,7 @@
 # accuracy over steps, final test accuracy by people count in the paper's layout, how much of the gradient each
 # probability bin carried, and whether the high-probability tokens moved the way their advantage asked.
 #
-# **Run time** of a full run (QUICK = False): with runs already there (from notebook 04 or `lopti-lab demo`), about 5
-# s on a laptop CPU (measured: 4.8 s of one core, one run); with none, a cell first runs the demo, which took
-# 10.5-11.5 min on this project's 2-core machine on 2026-12-02, two runs at a time (README, "The demo"); on one
-# GPU: not measured.
+# **Run time** of a full run (QUICK = False) on a CPU: TODO(time) with runs there; with none, it first runs the demo.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -35,17 +32,18 @@ from pathlib import Path
 
 %matplotlib inline
 
-from lopti_lab import experiments, plots, runs, widgets
+from lopti_lab import paper, plots, runs, widgets
+from lopti_lab.demo.config import DemoConfig
+from lopti_lab.demo.run import run_demo
 
 # %% [markdown]
 # If there are no runs yet, this cell makes some: the lab demo trains GRPO, GRPO+AR, GRPO+Lopti and GRPO+AR+Lopti on
-# the same data and seeds, two runs at a time in processes of their own (10.5-11.5 minutes on a 2-core CPU; seconds in
-# QUICK mode).
+# the same data and seeds, two runs at a time in processes of their own (docs/demo.md; seconds in QUICK mode).
 
 # %%
 root = Path("runs")
 if not widgets.find_runs(root):
-    report = experiments.run_demo(experiments.DemoConfig(quick=QUICK, out="reports/notebook05"))
+    report = run_demo(DemoConfig(quick=QUICK, out="reports/notebook05"))
     root = report / "runs"
 print("runs under", root, ":", [p.name for p in widgets.find_runs(root)])
 
@@ -58,14 +56,14 @@ panel
 # ## Final accuracy, in the paper's layout
 #
 # Accuracy is the share of test completions that score 3 (sampled at temperature 1.0), by number of people, and its
-# mean ("avg"). Below it, the paper's own numbers for Qwen2.5-3B-Instruct and 7B-Instruct-1M (PAPER.md §6).
+# mean ("avg"). Below it, the paper's own numbers for Qwen2.5-3B-Instruct and 7B-Instruct-1M (docs/paper.md §7).
 
 # %%
 long = runs.compare(widgets.find_runs(root))
 widgets.final_accuracy(long)
 
 # %%
-experiments.PAPER_TABLE
+paper.KK_ACCURACY
 
 # %% [markdown]
 # ## Where the gradient went, and which way the tokens moved
@@ -91,10 +89,6 @@ plots.correct_ratio(long)
 # vocabulary makes $\|e_y - \pi\|$ hug the upper bound less), and whether AR or Lopti helps it is a separate
 # experiment: read the spread across seeds before reading a difference.
 #
-# Measured in this project (README, "The demo"; `lopti-lab demo --seeds 5`, 49 min on a 2-core CPU): in 10 steps
-# GRPO lifted the lab model's sampled accuracy on 2-3-person puzzles from 0.63 to 0.87 (+23.6 ± 2.8 points, 95%
-# interval over 5 seeds; every seed above +21). AR, Lopti and AR + Lopti ended within a few points of GRPO, every
-# paired difference inside its interval (Lopti +2.1 ± 3.6). The gradient imbalance itself is plain: under GRPO the
-# 12-15% of tokens sampled below p = 0.25 carry half the gradient and the 71% above 0.75 carry 1-2%, and Lopti
-# shifts that balance as designed. Treat the accuracy comparison as a rehearsal of the method at this scale, not a
-# test of the paper's claim.
+# What the lab demo measured (`lopti-lab demo --seeds 5`: accuracy with its spread across seeds, paired differences
+# to GRPO, the gradient share per bin) is in docs/demo.md. Treat the accuracy comparison as a rehearsal of the method
+# at this scale, not a test of the paper's claim.

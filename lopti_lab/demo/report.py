@@ -1,71 +1,23 @@
 """The demo's report folder: accuracy tables in the paper's layout (mean ± 95% confidence interval over seeds, or one
 run's evaluation standard error), each seed's gain over the warm start, paired differences to GRPO, figures and
-report.md. `experiments.run_demo` trains; this module only reads run folders and writes files."""
+report.md. ``demo.run.run_demo`` trains; this module only reads run folders and writes files."""
 
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import asdict
-from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from lopti_lab import plots, runs
-
-if TYPE_CHECKING:
-    from lopti_lab.counterfactual import Counterfactual
-    from lopti_lab.experiments import DemoConfig
+from lopti_lab.counterfactual import Counterfactual
+from lopti_lab.demo.config import DemoConfig
+from lopti_lab.demo.stats import ci95
 
 WARM = "Lab model (warm start)"
 GRPO_ROW = "+ GRPO"
-
-
-# --- confidence intervals ---------------------------------------------------------------------------------------------
-
-
-def t_cdf(x: float, df: int) -> float:
-    """Student's t distribution function with ``df`` degrees of freedom, by Simpson's rule on its density from 0 to
-    |x| (the density is smooth and bounded, so 4,000 panels give about 1e-10)."""
-    if df < 1:
-        raise ValueError(f"df must be >= 1, got {df}")
-    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def density(t: float) -> float:
-        return math.exp(log_norm - (df + 1) / 2 * math.log1p(t * t / df))
-
-    a, panels = abs(x), 4000
-    h = a / panels
-    area = density(0.0) + density(a)
-    area += sum((4 if i % 2 else 2) * density(i * h) for i in range(1, panels))
-    half = area * h / 3
-    return 0.5 + math.copysign(half, x)
-
-
-@cache  # a report asks for the same few (0.975, n - 1) quantiles once per table cell
-def t_quantile(p: float, df: int) -> float:
-    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on `t_cdf`, to 1e-9)."""
-    if not 0.5 <= p < 1:
-        raise ValueError(f"p must be in [0.5, 1), got {p}")
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < p:
-        hi *= 2
-    while hi - lo > 1e-9:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-def ci95(values) -> float:
-    """Half-width of the 95% confidence interval of the mean of ``values`` (independent seeds): t(0.975, n - 1) x
-    sample sd / sqrt(n); NaN for fewer than two values."""
-    values = pd.Series(values, dtype=float).dropna()
-    n = len(values)
-    if n < 2:
-        return math.nan
-    return t_quantile(0.975, n - 1) * float(values.std(ddof=1)) / math.sqrt(n)
 
 
 # --- tables -----------------------------------------------------------------------------------------------------------
@@ -79,8 +31,8 @@ def _by_seed(warm: dict) -> dict[int, dict]:
 def accuracy_table(config: DemoConfig, run_dirs: dict, warm: dict, mode: str = "sample") -> pd.DataFrame:
     """The paper's layout: one row per (model, seed) (warm start under each seed's evaluation seed, + each method),
     one column per people count and avg, and beside each its evaluation standard error (``{n}ppl_se``, ``avg_se``:
-    `trainer.accuracy_se`; the avg's from the independent people counts, sqrt(sum se^2) / k)."""
-    people = list(config.eval_people)
+    `evaluate.accuracy_se`; the avg's from the independent people counts, sqrt(sum se^2) / k)."""
+    people = list(config.train.eval_people)
     models = [(WARM, seed, metrics) for seed, metrics in sorted(_by_seed(warm).items())]
     models += [(f"+ {m.replace('+', ' + ')}", seed, runs.load_metrics(d)[-1]) for (m, seed), d in run_dirs.items()]
     rows = []
@@ -160,7 +112,7 @@ def _markdown(mean: pd.DataFrame, spread: pd.DataFrame | None) -> str:
 def _se_line(mean: pd.DataFrame, config: DemoConfig) -> str:
     """Below a table: what the ± means, and with several seeds the evaluation's own SE of one run."""
     if config.seeds == 1:
-        return "\n± is the evaluation's standard error (test puzzles as the unit: `trainer.accuracy_se`).\n"
+        return "\n± is the evaluation's standard error (test puzzles as the unit: `evaluate.accuracy_se`).\n"
     columns = [c for c in mean.columns if c.endswith("_se")]
 
     def cells(row) -> str:
@@ -302,7 +254,7 @@ def write_report(
         "correct_ratio.png": plots.fig2(shift=shift.bins),
     }
     mechanism = ""
-    if config.probe_every > 0:  # the probe steps' bins over training (Fig. 1a, 1d and 2b per step)
+    if config.train.probe_every > 0:  # the probe steps' bins over training (Fig. 1a, 1d and 2b per step)
         figures["mechanism.png"] = plots.mechanism_over_steps(long)
         table = mechanism_table(long)
         table.to_csv(out / "mechanism.csv", index=False)
@@ -351,15 +303,17 @@ step's update (Fig. 2b). Bins: p < 0.25 / 0.25-0.5 / 0.5-0.75 / >= 0.75.
 
 def _report_text(config: DemoConfig, tables: dict, parts: dict, verdict: list[str], minutes: float) -> str:
     seeds = f"{config.seeds} seed{'s' if config.seeds > 1 else ''}"
+    train = config.train
+    tuning = "full fine-tuning" if train.lora_r is None else f"LoRA r = {train.lora_r}"
     return f"""# lopti_lab demo: GRPO, AR and Lopti on the lab model
 
-{len(config.methods)} methods x {seeds}, {config.steps} RL steps each ({config.prompts_per_step} puzzles x
-{config.group_size} samples, {", ".join(map(str, config.train_people))} people), full fine-tuning of the lab model,
+{len(config.methods)} methods x {seeds}, {train.steps} RL steps each ({train.prompts_per_step} puzzles x
+{train.group_size} samples, {", ".join(map(str, train.train_people))} people), {tuning} of `{train.model}`,
 {minutes:.1f} minutes in all{_reused_text(parts["reused"], len(config.methods) * config.seeds)}.
 Test accuracy is the share of completions scoring 3 on the bundled test split
-({config.eval_size} puzzles per people count){"; mean ± 95% CI over seeds" if config.seeds > 1 else ""}.
+({config.train.eval_size} puzzles per people count){"; mean ± 95% CI over seeds" if config.seeds > 1 else ""}.
 
-## Sampled at temperature 1.0 ({config.eval_samples} per puzzle)
+## Sampled at temperature 1.0 ({config.train.eval_samples} per puzzle)
 
 {tables["sample"]}
 ## Greedy
@@ -394,5 +348,5 @@ rollout policy (tokens in brackets; the paper's Fig. 2b):
 ![learning curves](learning_curves.png)
 ![gradient share](gradient_share.png)
 ![correct ratio](correct_ratio.png)
-{"![mechanism over training](mechanism.png)" if config.probe_every > 0 else ""}
+{"![mechanism over training](mechanism.png)" if config.train.probe_every > 0 else ""}
 """

@@ -1,24 +1,11 @@
-"""The lab model: a tiny Qwen2-architecture K&K reasoner that runs the whole experiment on a laptop CPU.
+"""The lab model's supervised warm start: ``lopti-lab pretrain`` trains a lab model from random weights on solver
+traces (``lab.trace``) of generated puzzles, evaluates it on the test split and saves it (``lab.model``).
 
-Three parts, all reproducible from ``lopti-lab pretrain``:
-
-1. A byte-level BPE tokenizer trained on K&K text (quizzes, prompts, chains of thought, answers) with Qwen's chat
-   special tokens and a Qwen-style chat template. Byte-level means every string encodes and decodes back exactly
-   (no unknown tokens); the reasoning tags <think>, </think>, <answer>, </answer> are single tokens that decode
-   as text, so rewards see them.
-2. A Qwen2ForCausalLM of a few million parameters (``LAB_CONFIG``), loaded through ``transformers`` like any hub
-   model, so rollouts, the trainer, LoRA and the probes run the same code as for Qwen2.5.
-3. ``pretrain``: a supervised warm start on solver traces (the compact chain of thought, then the answer) for
-   2-5 people, leaving room for RL on the harder puzzles.
-
-The lab model reads the quiz through its chat template without the long Logic-RL system prompt (prompt style
-``"chat_quiz"``), which keeps sequences short enough to train on two CPU cores. Its evaluations (test accuracy,
-the rollouts' token profile, the audit of greedy traces) are in ``lopti_lab.labeval``, also reachable from here.
+    summary = pretrain(PretrainConfig(), "data/lab_model")     # the bundled model's recipe, <= 60 min on 2 cores
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -27,167 +14,19 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from lopti_lab.checks import FieldCheck, is_int, is_real
-from lopti_lab.kk import NAMES, Puzzle, build_prompt, generate_puzzle, instruct_prompt
+from lopti_lab.configs import ConfigError, read_json
+from lopti_lab.evaluate import evaluate
+from lopti_lab.kk import Puzzle, build_prompt, generate_puzzle
 from lopti_lab.kk.data import load_split, puzzle_seed, split_files
-from lopti_lab.kk.reward import bare_quiz, numbered_quiz
-from lopti_lab.labeval import (  # noqa: F401  (re-exported: labmodel.audit_greedy etc. stay where they were)
-    LAB_PROMPT_STYLE,
-    audit_greedy,
-    evaluate_warm_start,
-    lab_prompt_style,
-    rollout_profile,
-)
-from lopti_lab.labtrace import TraceStyle, lab_trace
+from lopti_lab.lab.evaluate import evaluate_warm_start
+from lopti_lab.lab.model import LabModelSpec, build_model, save_lab_model
+from lopti_lab.lab.tokenizer import build_tokenizer, lab_response
+from lopti_lab.lab.trace import RL_TRACE, TraceStyle, prompt_style
 
-# ---------------------------------------------------------------------------------------------------------------------
-# tokenizer
+__all__ = ["AUTOCAST", "PretrainConfig", "config_fields", "encode_example", "pretrain"]
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-TAG_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-TOKENIZER_VOCAB = 1024
 AUTOCAST = ("bfloat16", "float32")
 """``PretrainConfig.autocast`` choices."""
-RL_TRACE = TraceStyle(
-    slip=0.05,
-    random_check_order=False,
-    shuffle_transcription=False,
-    swap_symmetric=False,
-    passes=("ok", "fine", "good"),
-    fails=("no", "fails", "wrong"),
-    leaf_roles=("is", "really", "actually", "truly", "indeed"),
-    check_openers=("see", "check", "ask", "hear", "test"),
-    coded=True,
-    numbered_quiz=True,
-    bare_quiz=True,
-    numbers_only=True,
-    number_first=True,
-)
-"""The bundled lab model's trace (benchmarks/README.md, "Toward an RL-ready lab model", says why each option is on):
-every look-up by place or by a fixed word, never by matching a name; 5% slips, the errors RL is there to remove;
-free words (verbs, connectives, verdicts, leaf words, check openers) for the paper's share of low-probability
-tokens."""
-
-
-def lab_response(puzzle: Puzzle, rng: random.Random | None = None, style: TraceStyle | None = None) -> str:
-    """The supervised target after the prompt's "<think>": a solver trace, then the answer.
-
-    ``style=None``: the compact solver trace the bundled lab model learned (``Puzzle.compact_trace``). A
-    ``labtrace.TraceStyle``: labtrace's trace in that style; without ``rng`` its wording and check order are drawn
-    from a generator seeded by the puzzle itself, so the same puzzle always gives the same text.
-
-    >>> p = generate_puzzle(2, 0)
-    >>> lab_response(p).endswith("</think><answer>" + p.solution_text_format + "</answer>")
-    True
-    """
-    if style is None:
-        return f" {puzzle.compact_trace()}</think><answer>{puzzle.solution_text_format}</answer>"
-    rng = rng if rng is not None else random.Random(repr((puzzle.statements, puzzle.names)))
-    return lab_trace(puzzle, rng, style)
-
-
-def tokenizer_corpus(n_puzzles: int = 3000, seed: int = 0, style: TraceStyle | None = None) -> list[str]:
-    """Text the BPE merges are learned from: generated quizzes for 2-8 people in every prompt style, their chains of
-    thought, the traces of ``style`` (``lab_response``; labtrace's only up to 5 people, where they stay short) and
-    answers, and every name in every position."""
-    texts = []
-    for i in range(n_puzzles):
-        p = generate_puzzle(2 + i % 7, puzzle_seed(seed, "tokenizer", 2 + i % 7, i))
-        trace = lab_response(p, random.Random(i), style) if style is None or p.n_people <= 5 else ""
-        texts += [instruct_prompt(p), p.quiz, trace, " ".join(p.cot_repeat_steps), p.solution_text]
-        first = style is not None and style.number_first
-        texts += [numbered_quiz(p, first)] if style is not None and style.numbered_quiz else []
-        texts += [bare_quiz(numbered_quiz(p, first))] if style is not None and style.bare_quiz else []
-    texts += [f'"{n} is a knight," {n} said. {n}\'s {n}' for n in NAMES]
-    return texts
-
-
-def build_tokenizer(
-    vocab_size: int = TOKENIZER_VOCAB, n_puzzles: int = 3000, seed: int = 0, style: TraceStyle | None = None
-):
-    """Train the lab tokenizer (a few seconds) and wrap it as a transformers PreTrainedTokenizerFast."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(TAG_TOKENS),
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(tokenizer_corpus(n_puzzles, seed, style), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-        chat_template=CHAT_TEMPLATE,
-        padding_side="left",
-        model_max_length=2048,
-    )
-    fast.add_tokens(list(TAG_TOKENS))  # plain added tokens: atomic, and kept by decode(skip_special_tokens=True)
-    return fast
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# model
-
-
-@dataclass(frozen=True)
-class LabModelSpec:
-    """The lab model's shape (a Qwen2 config) and its warm start. Defaults are the bundled model's."""
-
-    hidden_size: int = 256
-    """Width of the residual stream."""
-    intermediate_size: int = 640
-    """Width of the SwiGLU MLP."""
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 1024
-
-    def qwen2_config(self, tokenizer):
-        from transformers import Qwen2Config
-
-        return Qwen2Config(
-            vocab_size=len(tokenizer),
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=True,
-            rope_theta=10000.0,
-            bos_token_id=None,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-
-
-def build_model(tokenizer, spec: LabModelSpec = LabModelSpec(), seed: int = 0):
-    """A freshly initialised lab model (random weights, seeded)."""
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(spec.qwen2_config(tokenizer))
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# supervised warm start
 
 
 @dataclass
@@ -200,9 +39,12 @@ class PretrainConfig:
     curriculum_steps: int = 400
     """For the first steps, only the two smallest people counts: short sequences, where the model first learns to
     find and copy names from the quiz (until it can, the loss sits on a plateau near 0.9 nats per token)."""
-    steps: int = 3800
-    """Optimizer steps (the run also stops at ``max_minutes``)."""
-    max_minutes: float = 57.0
+    steps: int = 3700
+    """Optimizer steps: the learning-rate schedule's length, and where the run stops (unless ``max_minutes`` or
+    ``stop_after`` stops it first). The bundled model ran them all."""
+    max_minutes: float = 90.0
+    """A wall-clock limit (the bundled model's 3,700 steps take about an hour on two cores; a run stopped by the clock
+    depends on the machine's speed, one stopped by ``steps`` does not)."""
     batch_size: int = 16
     lr: float = 1e-3
     """Peak AdamW learning rate (2e-3 kept the model on the plateau for 600 steps in our runs)."""
@@ -223,11 +65,11 @@ class PretrainConfig:
     """Test puzzles per people count in the final evaluation (None: all 100)."""
     spec: LabModelSpec = field(default_factory=LabModelSpec)
     trace: TraceStyle | None = RL_TRACE
-    """The supervised traces: a ``labtrace.TraceStyle`` (or a dict of its fields), labtrace's local-decision trace
+    """The supervised traces: a ``lab.trace.TraceStyle`` (or a dict of its fields), the local-decision trace
     with that wording, check order and slip rate (``RL_TRACE``, the bundled model's); None, the compact solver trace
     (the first lab model's)."""
     length_buckets: int = 4
-    """Batches of one people count drawn at once and cut by length (labtrace's traces vary about twofold in length:
+    """Batches of one people count drawn at once and cut by length (lab traces vary about twofold in length:
     4 keeps padding small); 1 keeps each batch in the order drawn, as the first lab model was trained."""
     max_new_tokens: int = 640
     """Response cap of the evaluations (``RL_TRACE`` runs to ~450 tokens at 3 people; compact traces fit 256 up to 6
@@ -279,7 +121,7 @@ class PretrainConfig:
         check.real("weight_decay", low=0)
         check.real("grad_clip", low=0, low_open=True)
         trace_ok = self.trace is None or isinstance(self.trace, TraceStyle)
-        check.need(trace_ok, "trace", "must be None, a labtrace.TraceStyle or a dict of its fields")
+        check.need(trace_ok, "trace", "must be None, a lab.trace.TraceStyle or a dict of its fields")
         check.need(isinstance(self.spec, LabModelSpec), "spec", "must be a LabModelSpec or a dict of its fields")
         spec = FieldCheck(self.spec, "PretrainConfig.spec")
         for f in fields(self.spec):
@@ -299,7 +141,7 @@ def encode_example(
     tokenizer, puzzle: Puzzle, rng: random.Random | None = None, style: TraceStyle | None = None
 ) -> tuple[list[int], int]:
     """Token ids of prompt + target response + <|im_end|>, and the prompt length (the loss starts after it)."""
-    prompt = tokenizer(build_prompt(puzzle, lab_prompt_style(style), tokenizer), add_special_tokens=False)["input_ids"]
+    prompt = tokenizer(build_prompt(puzzle, prompt_style(style), tokenizer), add_special_tokens=False)["input_ids"]
     response = tokenizer(lab_response(puzzle, rng, style), add_special_tokens=False)["input_ids"]
     return prompt + response + [tokenizer.eos_token_id], len(prompt)
 
@@ -380,8 +222,6 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
     import torch
     from tqdm.auto import tqdm
 
-    from lopti_lab.trainer import evaluate
-
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
@@ -427,7 +267,7 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
                     model,
                     tokenizer,
                     test,
-                    prompt_style=lab_prompt_style(config.trace),
+                    prompt_style=prompt_style(config.trace),
                     max_new_tokens=config.max_new_tokens,
                     modes=("greedy",),
                     prefix="test",
@@ -446,82 +286,21 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
         config.final_samples,
         config.final_size,
         config.max_new_tokens,
-        prompt_style=lab_prompt_style(config.trace),
+        prompt_style=prompt_style(config.trace),
     )
     summary = {
         "config": asdict(config),
         "steps_done": step,
         "minutes": (time.perf_counter() - start) / 60,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tokenizer),
         "final_eval": final,
         "log": log,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    save_lab_model(model, tokenizer, out, summary)
+    save_lab_model(model, tokenizer, out, summary, prompt_style(config.trace))
     return summary
-
-
-def save_lab_model(model, tokenizer, out: str | Path, summary: dict) -> Path:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    (out / "lab_model.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return out
-
-
-def lab_model_dir() -> Path:
-    from lopti_lab.paths import data_dir
-
-    return data_dir() / "lab_model"
-
-
-def prompt_style_of(model: str) -> str:
-    """The prompt style a lab model reads: "lab" (the bundled one) or a lab model folder, from the trace style in
-    its lab_model.json (``lab_prompt_style``); any other model, or a folder without one, reads ``LAB_PROMPT_STYLE``."""
-    folder = lab_model_dir() if model == "lab" else Path(model)
-    summary = folder / "lab_model.json"
-    if not summary.is_file():
-        return LAB_PROMPT_STYLE
-    trace = json.loads(summary.read_text()).get("config", {}).get("trace")
-    return lab_prompt_style(PretrainConfig(trace=trace).trace)  # the JSON dict, read as the pretrain reads it
-
-
-def load_lab_model(path: str | Path | None = None, device: str = "cpu", dtype=None):
-    """The bundled lab model and its tokenizer, offline (local files only)."""
-    import torch
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    path = Path(path) if path is not None else lab_model_dir()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"lab model not found at {path}: build it with `lopti-lab pretrain --out {path}`")
-    # Not AutoTokenizer: for a qwen2 config it builds Qwen2Tokenizer, whose own pre-tokenizer (digits split one by
-    # one) replaces ours and silently changes the token ids the model was trained on ("Ġ2" -> "Ġ", "2").
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
-    return model.to(device), tokenizer
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("pretrain", help="train the lab model's warm start from scratch (CPU, <= 60 min)")
-    defaults = PretrainConfig()
-    p.add_argument("--out", default="data/lab_model", help="output folder (default data/lab_model)")
-    p.add_argument(
-        "--config",
-        default=None,
-        help="a JSON file of PretrainConfig fields, or a lab_model.json (its recorded config): the flags below "
-        "override it",
-    )
-    p.add_argument("--steps", type=int, default=None, help=f"default {defaults.steps}")
-    p.add_argument("--stop-after", type=int, default=None, help="stop after N steps, the schedule still over --steps")
-    p.add_argument("--max-minutes", type=float, default=None, help=f"default {defaults.max_minutes}")
-    p.add_argument("--batch-size", type=int, default=None, help=f"default {defaults.batch_size}")
-    p.add_argument("--lr", type=float, default=None, help=f"default {defaults.lr}")
-    p.add_argument("--seed", type=int, default=None, help=f"default {defaults.seed}")
-    p.add_argument("--eval-every", type=int, default=None, help=f"default {defaults.eval_every}")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.set_defaults(func=_cli_pretrain)
 
 
 FIELDS_BEFORE_RECORDED = {"trace": None, "length_buckets": 1, "max_new_tokens": 256, "autocast": "float32"}
@@ -534,39 +313,13 @@ def config_fields(path: str | Path) -> dict:
     a field the record lacks takes the value it had before the field existed, ``FIELDS_BEFORE_RECORDED``; a run
     that ``max_minutes`` stopped early is stopped at the same step, ``stop_after``). Raises ValueError naming the
     file."""
-    try:
-        loaded = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"--config {path}: {err}") from None
-    fields_given = loaded.get("config", loaded) if isinstance(loaded, dict) else loaded
+    loaded = read_json(path)  # ConfigError (a ValueError) naming the file and line
+    fields_given = loaded.get("config", loaded)
     if not isinstance(fields_given, dict):
-        raise ValueError(f"--config {path}: expected a JSON object of PretrainConfig fields")
+        raise ConfigError(f"{path}: its 'config' is a JSON {type(fields_given).__name__}, not an object of fields")
     if "config" in loaded:  # a recorded config: a field it lacks came later
         fields_given = {**FIELDS_BEFORE_RECORDED, **fields_given}
         done = loaded.get("steps_done")
         if fields_given.get("stop_after") is None and isinstance(done, int) and done < fields_given.get("steps", done):
             fields_given["stop_after"] = done  # the clock stopped it: stop at the same step, on the same schedule
     return fields_given
-
-
-def _cli_pretrain(args) -> int:
-    try:
-        fields_given = {} if args.config is None else config_fields(args.config)
-    except ValueError as err:
-        raise SystemExit(f"lopti-lab pretrain: {err}") from None
-    names = ("steps", "stop_after", "max_minutes", "batch_size", "lr", "seed", "eval_every", "threads")
-    fields_given |= {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    try:
-        config = PretrainConfig(**fields_given)
-    except TypeError as err:  # an unknown field
-        raise SystemExit(f"lopti-lab pretrain: --config {args.config}: {err}") from None
-    except ValueError as err:
-        raise SystemExit(f"lopti-lab pretrain: {err}") from None
-    summary = pretrain(config, args.out)
-    final = summary["final_eval"]
-    accs = "; ".join(
-        f"{mode} " + ", ".join(f"{n} people {final[f'test/{mode}/acc_{n}ppl']:.0%}" for n in config.final_people)
-        for mode in ("greedy", "sample")
-    )
-    print(f"saved {args.out} after {summary['steps_done']} steps in {summary['minutes']:.1f} min; test: {accs}")
-    return 0

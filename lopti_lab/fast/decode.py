@@ -5,7 +5,7 @@
     out.response_ids, out.logp, out.entropy     # (B, T) each; logp: log pi at the sampling temperature
 
 What HF generate does per token that this loop does not (measured on the lab model, 64 rows: ``torch.cat`` of the
-growing KV cache was 37% of generate's CPU time, benchmarks/README.md "Lab RL step"):
+growing KV cache was 37% of generate's CPU time, benchmarks/README.md "One lab RL step against its floor"):
 - each prompt is prefilled once for its G rows (GRPO's groups share it), not G times;
 - the KV cache is allocated once, at its final length, and written in place;
 - a finished row leaves the batch (the batch is compacted once DEAD_SHARE of it is dead), instead of being decoded
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lopti_lab.lean_qwen2 import attend_one, causal_lm, layer_input, layer_output, prefill
+from lopti_lab.fast.forward import attend_one, causal_lm, layer_input, layer_output, prefill
 
 __all__ = ["DEAD_SHARE", "Decoded", "lean_generate", "pick_tokens", "top_p_filter"]
 

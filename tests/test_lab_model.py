@@ -1,4 +1,4 @@
-"""The lab model: its tokenizer on the real K&K text, its warm-start data, and loading it offline."""
+"""The lab model: its tokenizer on the real K&K text, its warm-start data, pretraining, and loading it offline."""
 
 import dataclasses
 import json
@@ -12,24 +12,21 @@ import torch
 from kk_fixtures import reference_records
 
 from lopti_lab.kk import build_prompt, generate_puzzle, instruct_prompt, load_split, score_response
-from lopti_lab.labmodel import (
-    LAB_PROMPT_STYLE,
-    TAG_TOKENS,
-    LabModelSpec,
-    PretrainConfig,
-    audit_greedy,
-    build_model,
-    build_tokenizer,
-    collate,
-    encode_example,
-    lab_model_dir,
-    lab_response,
-    load_lab_model,
-    lr_at,
-    pretrain,
-)
+from lopti_lab.lab.evaluate import audit_greedy
+from lopti_lab.lab.model import LabModelSpec, build_model
+from lopti_lab.lab.pretrain import PretrainConfig, collate, encode_example, lr_at, pretrain
+from lopti_lab.lab.tokenizer import TAG_TOKENS, build_tokenizer, lab_response
+from lopti_lab.lab.trace import RL_PROMPT_STYLE as LAB_PROMPT_STYLE
+from lopti_lab.lab.trace import RL_TRACE, TraceStyle, prompt_style
 from lopti_lab.models import load_policy
+from lopti_lab.paths import lab_model_dir
 from lopti_lab.rollout import sample
+
+
+def load_lab_model(path):
+    """(model, tokenizer) of a lab model folder, the standard way."""
+    return load_policy(str(path), lora=None, device="cpu")
+
 
 BUNDLED = lab_model_dir()
 needs_bundle = pytest.mark.skipif(not (BUNDLED / "config.json").is_file(), reason="lab model not built yet")
@@ -42,7 +39,7 @@ def lab_tokenizer():
     return build_tokenizer(n_puzzles=300)
 
 
-def test_tokenizer_round_trips_every_reference_quiz(shared_kk, lab_tokenizer):
+def test_tokenizer_round_trips_every_reference_quiz(reference_kk, lab_tokenizer):
     unk = lab_tokenizer.unk_token_id
     for r in reference_records():
         ids = lab_tokenizer(r["quiz"], add_special_tokens=False)["input_ids"]
@@ -82,12 +79,10 @@ def test_a_numbered_trace_trains_on_the_numbered_quiz(lab_tokenizer):
     """A coded trace with ``numbered_quiz`` is paired with the prompt whose names carry their numbers (with
     ``bare_quiz``, without the sentences every quiz shares); every other trace style with the plain quiz."""
     from lopti_lab.kk.reward import bare_quiz, numbered_quiz
-    from lopti_lab.labmodel import lab_prompt_style
-    from lopti_lab.labtrace import TraceStyle
 
     p = generate_puzzle(3, 4)
     numbered = TraceStyle(coded=True, numbered_quiz=True)
-    assert [lab_prompt_style(s) for s in (None, TraceStyle(coded=True), numbered)] == ["chat_quiz"] * 2 + [
+    assert [prompt_style(s) for s in (None, TraceStyle(coded=True), numbered)] == ["chat_quiz"] * 2 + [
         "chat_quiz_numbered"
     ]
     full, n_prompt = encode_example(lab_tokenizer, p, random.Random(0), numbered)
@@ -95,7 +90,7 @@ def test_a_numbered_trace_trains_on_the_numbered_quiz(lab_tokenizer):
     assert prompt == f"<|im_start|>user\n{numbered_quiz(p)}<|im_end|>\n<|im_start|>assistant\n<think>"
     assert numbered_quiz(p) != p.quiz
     bare = TraceStyle(coded=True, numbered_quiz=True, bare_quiz=True)
-    assert lab_prompt_style(bare) == "chat_quiz_numbered_bare"
+    assert prompt_style(bare) == "chat_quiz_numbered_bare"
     full, n_prompt = encode_example(lab_tokenizer, p, random.Random(0), bare)
     prompt = lab_tokenizer.decode(full[:n_prompt])
     assert prompt == f"<|im_start|>user\n{bare_quiz(numbered_quiz(p))}<|im_end|>\n<|im_start|>assistant\n<think>"
@@ -163,7 +158,6 @@ def test_pretrain_smoke_saves_a_loadable_model(tmp_path):
 def test_pretrain_on_lab_traces_is_reproduced_by_the_cli_from_its_recorded_config(tmp_path):
     """`lopti-lab pretrain --config <a lab_model.json>` retrains the same model: same tokenizer, same weights."""
     from lopti_lab.cli import main
-    from lopti_lab.labmodel import RL_TRACE
 
     spec = LabModelSpec(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
@@ -180,16 +174,19 @@ def test_pretrain_on_lab_traces_is_reproduced_by_the_cli_from_its_recorded_confi
     model_a, model_b = load_lab_model(tmp_path / "a")[0], load_lab_model(tmp_path / "b")[0]
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
     text = lab_response(generate_puzzle(3, 7), None, RL_TRACE)
-    assert any(f" {verb} " in text for verb in RL_TRACE.say_verbs)  # a labtrace trace, not the compact one
+    assert any(f" {verb} " in text for verb in RL_TRACE.say_verbs)  # a lab trace, not the compact one
     for (name, a), b in zip(model_a.state_dict().items(), model_b.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    # load_policy on the folder (what `lopti-lab demo --model <folder>` runs): the tokenizer it was trained with, not
-    # the Qwen2Tokenizer AutoTokenizer picks for a qwen2 config (which splits "2" in "You meet 2 inhabitants")
-    tokenizer = load_lab_model(tmp_path / "a")[1]
-    policy, policy_tokenizer = load_policy(str(tmp_path / "a"), lora=None)
+    # the folder is a standard checkpoint: AutoTokenizer gives the tokenizer it was trained with (the very object
+    # pretrain built encodes the same ids), and its config names the prompt it reads
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "a")
+    built = build_tokenizer(seed=cfg.seed, style=RL_TRACE)
     prompt = build_prompt(generate_puzzle(2, 5), LAB_PROMPT_STYLE, tokenizer)
-    assert policy_tokenizer(prompt)["input_ids"] == tokenizer(prompt)["input_ids"]
-    assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), model_a.state_dict().values()))
+    assert built(prompt)["input_ids"] == tokenizer(prompt)["input_ids"]
+    assert model_a.config.kk_prompt_style == LAB_PROMPT_STYLE
+    assert (tmp_path / "a" / "README.md").read_text().startswith("---\nlicense: mit")  # the model card
     # the audit of its greedy traces: its accuracy is the reward's on the same greedy decode, and subsets nest
     audit = audit_greedy(model_a, tokenizer, RL_TRACE, people=2, size=3, max_new_tokens=24)
     puzzles = load_split("test", 2, limit=3)
@@ -199,14 +196,14 @@ def test_pretrain_on_lab_traces_is_reproduced_by_the_cli_from_its_recorded_confi
     assert audit["accuracy_all"] == sum(score_response(t, p).total == 3 for t, p in zip(greedy.texts, puzzles)) / 3
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"stepz": 3}))
-    with pytest.raises(SystemExit, match="stepz"):
-        main(["pretrain", "--config", str(bad), "--out", str(tmp_path / "c")])
+    assert main(["pretrain", "--config", str(bad), "--out", str(tmp_path / "c")]) == 2  # a usage error, named
     assert not (tmp_path / "c").exists()
 
 
-def test_missing_lab_model_is_explained(tmp_path):
+def test_missing_lab_model_is_explained(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOPTI_LAB_DATA", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="lopti-lab pretrain"):
-        load_lab_model(tmp_path)
+        load_policy("lab", lora=None)
 
 
 @needs_bundle
@@ -215,10 +212,9 @@ def test_bundled_model_loads_offline_and_answers(tmp_path):
         "from lopti_lab.models import load_policy\n"
         "from lopti_lab.kk import load_split, build_prompt, score_response\n"
         "from lopti_lab.rollout import sample\n"
-        "from lopti_lab.labmodel import LAB_PROMPT_STYLE\n"
         "model, tok = load_policy('lab', lora=None)\n"
         "ps = load_split('test', 2, limit=8)\n"
-        "r = sample(model, tok, [build_prompt(p, LAB_PROMPT_STYLE, tok) for p in ps], greedy=True,"
+        "r = sample(model, tok, [build_prompt(p, model.config.kk_prompt_style, tok) for p in ps], greedy=True,"
         " max_new_tokens=320)\n"
         "print(sum(score_response(t, p).format_score > 0 for t, p in zip(r.texts, ps)))\n"
     )
@@ -241,8 +237,6 @@ def test_bundled_tokenizer_is_the_one_pretrain_builds():
     """The shipped tokenizer.json must encode exactly as build_tokenizer() does (what `lopti-lab pretrain` trains
     with), through the class load_policy gives back: a tokenizer class that re-splits digits or spaces would feed
     the warm-started model ids it never saw."""
-    from lopti_lab.labmodel import RL_TRACE
-
     bundled = load_lab_model(BUNDLED)[1]
     rebuilt = build_tokenizer(style=PretrainConfig().trace)
     assert PretrainConfig().trace == RL_TRACE
@@ -261,7 +255,7 @@ def test_a_config_recorded_before_later_fields_is_read_as_it_was_trained(tmp_pat
     """`lopti-lab pretrain --config <lab_model.json>`: a record made before a field existed gets the value that field
     had then (the first lab model's record: compact traces, no length buckets, 256 new tokens, float32), a plain JSON
     of fields gets today's defaults for the rest, and an unreadable file is named."""
-    from lopti_lab.labmodel import FIELDS_BEFORE_RECORDED, config_fields
+    from lopti_lab.lab.pretrain import FIELDS_BEFORE_RECORDED, config_fields
 
     first_model = {  # the config recorded in the first bundled lab model's lab_model.json
         "people": [2, 3, 4, 5], "people_weights": [1.0, 1.0, 1.0, 1.0], "curriculum_steps": 400, "steps": 2000,
@@ -286,7 +280,7 @@ def test_a_config_recorded_before_later_fields_is_read_as_it_was_trained(tmp_pat
 def test_a_recorded_run_the_clock_stopped_is_reproduced_to_the_same_step(tmp_path):
     """A record whose run stopped before its ``steps`` (``max_minutes``) is read with ``stop_after`` at the step it
     reached, on the same schedule; the pretrain then stops there, and the learning rate of each step is unchanged."""
-    from lopti_lab.labmodel import config_fields
+    from lopti_lab.lab.pretrain import config_fields
 
     recorded = dataclasses.asdict(PretrainConfig(steps=100))
     (tmp_path / "lab_model.json").write_text(json.dumps({"config": recorded, "steps_done": 37}))

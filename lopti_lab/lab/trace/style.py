@@ -123,6 +123,42 @@ PLAIN = TraceStyle()
 """The default style (every option off, no slips)."""
 
 
+RL_TRACE = TraceStyle(
+    slip=0.05,
+    random_check_order=False,
+    shuffle_transcription=False,
+    swap_symmetric=False,
+    passes=("ok", "fine", "good"),
+    fails=("no", "fails", "wrong"),
+    leaf_roles=("is", "really", "actually", "truly", "indeed"),
+    check_openers=("see", "check", "ask", "hear", "test"),
+    coded=True,
+    numbered_quiz=True,
+    bare_quiz=True,
+    numbers_only=True,
+    number_first=True,
+)
+"""The bundled lab model's trace (docs/lab_model.md says why each option is on):
+every look-up by place or by a fixed word, never by matching a name; 5% slips, the errors RL is there to remove;
+free words (verbs, connectives, verdicts, leaf words, check openers) for the paper's share of low-probability
+tokens."""
+
+
+def prompt_style(trace: TraceStyle | None) -> str:
+    """The prompt style (``kk.PROMPT_STYLES``) that a lab model trained on traces of this style reads: the quiz alone
+    ("chat_quiz", also for the compact solver trace, ``trace=None``), its people numbered for a trace with
+    ``numbered_quiz`` (number first with ``number_first``), without the sentences every quiz shares with
+    ``bare_quiz`` as well.
+
+    >>> prompt_style(RL_TRACE)
+    'chat_quiz_numfirst_bare'
+    """
+    if trace is None or not trace.numbered_quiz:
+        return "chat_quiz"
+    numbering = "chat_quiz_numfirst" if trace.number_first else "chat_quiz_numbered"
+    return numbering + "_bare" if trace.bare_quiz else numbering
+
+
 def render_claim(statement: Statement, names: Sequence[str], numbered: bool = False) -> str:
     """The compact words of a statement, as a check restates it (without the truth values a check adds); with
     ``numbered`` each name is followed by the person's number (``TraceStyle.coded``).
@@ -232,3 +268,7 @@ def trace_vocabulary(style: TraceStyle = PLAIN) -> list[str]:
     words = [*style.line_verbs, *style.say_verbs, *style.connectives, *style.passes, *style.fails, *style.leaf_roles]
     words += style.check_openers
     return [*words, *fixed]
+
+
+RL_PROMPT_STYLE = prompt_style(RL_TRACE)
+"""The prompt a lab model trained on ``RL_TRACE`` reads, the bundled one's (its config.json names it too)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from lopti_lab.kk.generate import Puzzle, role_word
 from lopti_lab.kk.logic import LEAVES, Statement, evaluate
-from lopti_lab.labtrace.style import (
+from lopti_lab.lab.trace.style import (
     PLAIN,
     TraceStyle,
     answer_text,

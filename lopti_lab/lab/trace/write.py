@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from lopti_lab.kk.generate import Puzzle, role_word
 from lopti_lab.kk.logic import LEAVES, Statement, evaluate
-from lopti_lab.labtrace.style import (
+from lopti_lab.lab.trace.style import (
     PLAIN,
     TraceStyle,
     answer_text,

@@ -1,13 +1,14 @@
-"""The demo's runs trained side by side, each in a process of its own, with one progress bar over all their steps.
+"""Runs trained side by side, each in a process of its own, with one progress bar over all their steps (the demo's
+and the mechanism study's).
 
-    pool = RunPool(config, {("GRPO", 0): Path("runs/grpo-seed0"), ...}, threads=1)   # the runs start now
-    ...                                                                              # other work meanwhile
-    pool.wait()                                                                      # every run finished
+    pool = RunPool([config_a, config_b, ...], workers=2, threads=1)    # the runs start now (TrainConfigs, run_dir set)
+    ...                                                               # other work meanwhile
+    pool.wait()                                                       # every run finished
 
 Why processes: the lab model is small, so a torch op on two threads spends much of its time handing work between
 them; two one-thread processes get more done on two cores (benchmarks/README.md, "Demo wall time"). Each run is a
 function of its TrainConfig alone (seeded, one thread), so a run trained here equals the same run trained in the
-calling process at one thread, record for record (tests/test_experiments.py). A run that fails raises its error
+calling process at one thread, record for record (tests/test_demo.py). A run that fails raises its error
 from ``wait`` and stops the other processes; the runs that finished are kept, and the demo called again trains the
 rest.
 """
@@ -18,7 +19,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,8 +27,8 @@ import torch
 from tqdm.auto import tqdm
 
 from lopti_lab import runs
-from lopti_lab.counterfactual import METHODS
-from lopti_lab.trainer import TrainConfig, train
+from lopti_lab.train_config import TrainConfig
+from lopti_lab.trainer import train
 
 __all__ = ["RunPool", "train_or_resume"]
 
@@ -36,20 +37,17 @@ POLL_SECONDS = 2.0
 
 
 class RunPool:
-    """Train ``run_dirs`` ({(method, seed): folder}) of a DemoConfig in ``config.workers`` processes of ``threads``
-    torch threads each, the longest runs first (a Lopti run updates twice per step), so the last to finish are short.
-    """
+    """Train ``configs`` (TrainConfigs, each with its ``run_dir``) in ``workers`` processes of ``threads`` torch threads
+    each, the longest runs first (a Lopti run updates twice per step), so the last to finish are short. A run whose
+    folder holds an unfinished run of it resumes."""
 
-    def __init__(self, config, run_dirs: Mapping[tuple[str, int], Path], threads: int):
-        order = sorted(run_dirs, key=lambda key: (-_cost(key[0]), key[1]))
-        self.steps, self.dirs = config.steps, [Path(run_dirs[key]) for key in order]
-        self.workers = min(config.workers, len(order))
+    def __init__(self, configs: Sequence[TrainConfig], workers: int, threads: int):
+        order = sorted(configs, key=lambda c: -c.steps * (1 if c.lopti_eta is None else 2))
+        self.steps, self.dirs = [c.steps for c in order], [Path(c.run_dir) for c in order]
+        self.workers = min(workers, len(order))
         context = multiprocessing.get_context("spawn")  # no forked copy of this process's torch threads
         self._pool = context.Pool(self.workers, initializer=_start_worker, initargs=(threads, os.getpid()))
-        self._results = [
-            self._pool.apply_async(_train_run, (config.train_config(method, seed, run_dirs[(method, seed)]),))
-            for method, seed in order
-        ]
+        self._results = [self._pool.apply_async(_train_run, (config,)) for config in order]
 
     @property
     def pids(self) -> list[int]:
@@ -61,7 +59,7 @@ class RunPool:
         and an error or an interrupt stops every process (``stop``): the runs that finished are kept, and the demo
         called again reuses them and trains the rest."""
         bar = tqdm(
-            total=len(self.dirs) * self.steps,
+            total=sum(self.steps),
             initial=self._logged(),
             desc=f"{len(self.dirs)} runs, {self.workers} at a time",
             unit="step",
@@ -90,11 +88,11 @@ class RunPool:
     def _logged(self) -> int:
         """Steps the runs have written so far (lines of their metrics.jsonl)."""
         total = 0
-        for run_dir in self.dirs:
+        for run_dir, steps in zip(self.dirs, self.steps, strict=True):
             metrics = run_dir / runs.METRICS
             if metrics.is_file():
-                total += metrics.read_bytes().count(b"\n")
-        return min(total, len(self.dirs) * self.steps)
+                total += min(steps, metrics.read_bytes().count(b"\n"))
+        return total
 
 
 def _start_worker(threads: int, parent: int) -> None:
@@ -110,13 +108,16 @@ def _start_worker(threads: int, parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _cost(method: str) -> int:
-    return 2 if METHODS[method].get("lopti_eta") is not None else 1
-
-
 def train_or_resume(config: TrainConfig) -> None:
-    """Train one run of the demo, resuming its folder when that holds an unfinished run of it."""
+    """Train one run, resuming its folder when that holds an unfinished run of it."""
     train(config, resume=runs.RunFolder(config.run_dir).exists())
+
+
+def finished(config: TrainConfig) -> bool:
+    """Whether a run's folder holds the complete run: its final checkpoint is committed (runs.py: its records are
+    then on disk too). A run killed before that resumes (``train_or_resume``) and redoes what was not saved."""
+    checkpoint = runs.latest_checkpoint(config.run_dir)
+    return checkpoint is not None and checkpoint.name == f"step_{config.steps}"
 
 
 def _train_run(config: TrainConfig) -> None:

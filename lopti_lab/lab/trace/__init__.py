@@ -12,7 +12,7 @@ fails. Every token the model must get right depends only on a few tokens just be
     ...
     </think><answer>(1) Logan is a knave ...</answer>                    # all checks passed: copy the line
 
-Two kinds of variety make the model's own rollouts look like an LLM's (PAPER.md §5: a fifth of the tokens of a
+Two kinds of variety make the model's own rollouts look like an LLM's (docs/paper.md §5: a fifth of the tokens of a
 GRPO rollout below p = 0.25), without deciding correctness:
 
 - **wording**: the opening verb of a line, the verb after the speaker and the connective before the verdict are drawn
@@ -46,11 +46,23 @@ The package: ``style`` (the knobs, the search order, the words), ``write`` (writ
 them back).
 """
 
-from lopti_lab.labtrace.audit import TraceAudit, add_at, audit_trace
-from lopti_lab.labtrace.style import TraceStyle, assignments, line_code, person, render_claim, trace_vocabulary
-from lopti_lab.labtrace.write import TraceStats, ideal_profile, lab_trace, lab_trace_with_stats
+from lopti_lab.lab.trace.audit import TraceAudit, add_at, audit_trace
+from lopti_lab.lab.trace.style import (
+    RL_PROMPT_STYLE,
+    RL_TRACE,
+    TraceStyle,
+    assignments,
+    line_code,
+    person,
+    prompt_style,
+    render_claim,
+    trace_vocabulary,
+)
+from lopti_lab.lab.trace.write import TraceStats, ideal_profile, lab_trace, lab_trace_with_stats
 
 __all__ = [
+    "RL_PROMPT_STYLE",
+    "RL_TRACE",
     "TraceAudit",
     "TraceStats",
     "TraceStyle",
@@ -62,6 +74,7 @@ __all__ = [
     "lab_trace_with_stats",
     "line_code",
     "person",
+    "prompt_style",
     "render_claim",
     "trace_vocabulary",
 ]

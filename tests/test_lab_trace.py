@@ -1,4 +1,4 @@
-"""The lab trace: a search whose every decision is local, with free wording and injected slips (lopti_lab.labtrace)."""
+"""The lab trace: a search whose every decision is local, with free wording and injected slips (lopti_lab.lab.trace)."""
 
 import random
 from collections import Counter
@@ -7,7 +7,7 @@ import pytest
 
 from lopti_lab.kk import generate_puzzle, score_response
 from lopti_lab.kk.logic import LEAVES, evaluate
-from lopti_lab.labtrace import (
+from lopti_lab.lab.trace import (
     TraceStyle,
     assignments,
     audit_trace,
@@ -272,7 +272,7 @@ def test_bad_slip_is_named():
 def test_a_coded_trace_numbers_every_name_and_carries_the_line_code_into_each_check():
     """The roster gives each person the number of their place in the quiz; after it every name is followed by that
     number, and every check's speaker by the line's code word, which spells the line's roles in the people's order."""
-    from lopti_lab.labtrace import line_code
+    from lopti_lab.lab.trace import line_code
 
     assert line_code((True, False, True)) == "KNK"
     for seed in range(30):
@@ -328,7 +328,7 @@ def test_the_audit_of_a_coded_trace_counts_a_wrong_number_and_a_wrong_code():
 def test_a_right_read_at_a_wrong_number_is_a_lookup_error_and_not_a_misread():
     """A leaf numbered as the wrong person, whose looked-up role is that person's on the check's code: the read
     of the code is right (no misread), the role is not the leaf's person's (a lookup error) when the two differ."""
-    from lopti_lab.labtrace import line_code
+    from lopti_lab.lab.trace import line_code
 
     met = 0
     for seed in range(40):
@@ -401,7 +401,7 @@ def test_the_audit_splits_logic_errors_into_verdicts_lines_and_answers():
     each counted once in their own field, and ``logic_errors`` is their sum."""
     from dataclasses import replace
 
-    from lopti_lab.labtrace import line_code
+    from lopti_lab.lab.trace import line_code
 
     style = replace(CODED, numbers_only=True)
     p = next(q for q in (generate_puzzle(3, 5000 + s) for s in range(50)) if q.solution.count(False) >= 1)

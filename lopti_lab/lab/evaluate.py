@@ -1,29 +1,20 @@
 """Measuring a lab model: test accuracy of its warm start, the token profile of its own rollouts (the paper's
-Fig. 1a), and an audit of its greedy traces; and the prompt style a lab model reads."""
+Fig. 1a), and an audit of its greedy traces."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lopti_lab.kk import build_prompt
+import numpy as np
+import torch
+
+from lopti_lab.evaluate import evaluate, score_rollout
+from lopti_lab.kk import build_prompt, score_response
 from lopti_lab.kk.data import load_split
-from lopti_lab.labtrace import TraceStyle
+from lopti_lab.lab.trace import RL_PROMPT_STYLE, TraceStyle, add_at, audit_trace, prompt_style
+from lopti_lab.rollout import sample
 
-__all__ = ["LAB_PROMPT_STYLE", "audit_greedy", "evaluate_warm_start", "lab_prompt_style", "rollout_profile"]
-
-LAB_PROMPT_STYLE = "chat_quiz_numfirst_bare"
-"""The prompt the bundled lab model reads (``lab_prompt_style(labmodel.RL_TRACE)``, checked by the tests): the quiz
-without its shared sentences, each person's number before their name."""
-
-
-def lab_prompt_style(trace: TraceStyle | None) -> str:
-    """The prompt style a lab model of this trace style reads: the quiz alone ("chat_quiz"), its people numbered for
-    a trace with ``numbered_quiz`` (number first with ``number_first``), without the sentences every quiz shares with
-    ``bare_quiz`` as well."""
-    if trace is None or not trace.numbered_quiz:
-        return "chat_quiz"
-    numbering = "chat_quiz_numfirst" if trace.number_first else "chat_quiz_numbered"
-    return numbering + "_bare" if trace.bare_quiz else numbering
+__all__ = ["audit_greedy", "evaluate_warm_start", "rollout_profile"]
 
 
 def evaluate_warm_start(
@@ -33,13 +24,18 @@ def evaluate_warm_start(
     samples: int = 4,
     size: int | None = None,
     max_new_tokens: int = 256,
-    prompt_style: str = LAB_PROMPT_STYLE,
+    prompt_style: str = RL_PROMPT_STYLE,
+    *,
+    seed: int = 0,
+    prefix: str = "test",
+    fast_path: str = "auto",
 ) -> dict:
-    """Test accuracy of a lab model on the whole test split of each people count: greedy, and ``samples``
-    completions per puzzle at temperature 1.0 (keys ``test/{greedy,sample}/acc_{n}ppl``, ``.../format_error_rate``);
-    ``prompt_style``: the one the model was trained on (``lab_prompt_style`` of its trace)."""
-    from lopti_lab.trainer import evaluate
-
+    """Test accuracy of a lab model's warm start on the test split of each people count (the first ``size``
+    puzzles of each, None: all): greedy, and ``samples`` completions per puzzle at temperature 1.0 sampled under
+    ``seed`` (keys ``{prefix}/{greedy,sample}/acc_{n}ppl`` with their ``_se``, ``.../format_error_rate``);
+    ``prompt_style``: the one the model was trained on (``lab.trace.prompt_style`` of its trace). The one warm-start
+    evaluation: pretraining's final one and the demo's (``demo.run.warm_start_eval``, with ``prefix="eval"``, the
+    runs' own keys) both call it."""
     test = load_split("test", list(people), limit=size)
     return evaluate(
         model,
@@ -48,7 +44,9 @@ def evaluate_warm_start(
         prompt_style=prompt_style,
         max_new_tokens=max_new_tokens,
         samples=samples,
-        prefix="test",
+        seed=seed,
+        prefix=prefix,
+        fast_path=fast_path,
     )
 
 
@@ -62,19 +60,13 @@ def rollout_profile(
     max_new_tokens: int = 896,
     bins: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
     seed: int = 0,
-    prompt_style: str = LAB_PROMPT_STYLE,
+    prompt_style: str = RL_PROMPT_STYLE,
 ) -> dict:
     """The token-probability profile of the model's own GRPO-style rollouts (the paper's Fig. 1a): ``puzzles``
     training puzzles x ``group_size`` samples at ``temperature``; the share of response tokens whose sampling
     probability exp(old_logp) falls in each bin, with the rollouts' accuracy and mean length.
 
     Keys: ``share_bin{i}`` (i = 0 is [bins[0], bins[1])), ``tokens``, ``accuracy``, ``len_mean``."""
-    import numpy as np
-    import torch
-
-    from lopti_lab.rollout import sample
-    from lopti_lab.trainer import score_rollout
-
     chosen = load_split("train", people, limit=puzzles)
     prompts = [build_prompt(p, prompt_style, tokenizer) for p in chosen]
     with torch.random.fork_rng():
@@ -95,16 +87,12 @@ def rollout_profile(
 def audit_greedy(
     model, tokenizer, style: TraceStyle, people: int = 2, size: int = 40, max_new_tokens: int = 896
 ) -> dict:
-    """Where a labtrace-trained model goes wrong: greedy traces of the first ``size`` test puzzles read back with
-    ``labtrace.audit_trace``. Totals of each audit count over the traces, ``clean`` (traces without copy, logic or
+    """Where a lab-trace-trained model goes wrong: greedy traces of the first ``size`` test puzzles read back with
+    ``lab.trace.audit_trace``. Totals of each audit count over the traces, ``clean`` (traces without copy, logic or
     transcription errors) and ``clean_transcription`` (every statement restated right), and the accuracy overall
     and on each of those two subsets (``None`` when a subset is empty)."""
-    from lopti_lab.kk import score_response
-    from lopti_lab.labtrace import add_at, audit_trace
-    from lopti_lab.rollout import sample
-
     chosen = load_split("test", people, limit=size)
-    prompts = [build_prompt(p, lab_prompt_style(style), tokenizer) for p in chosen]
+    prompts = [build_prompt(p, prompt_style(style), tokenizer) for p in chosen]
     rollout = sample(model, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens)
     counts = ("parsed", "decisions", "slips", "copy_errors", "logic_errors", "lookup_errors", "transcribed")
     counts += ("transcription_errors", "leaves", "leaf_errors", "changed_leaves", "changed_leaf_errors")

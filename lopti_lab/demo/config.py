@@ -1,0 +1,169 @@
+"""``DemoConfig``: the lab demo's methods, seeds and report folder, around one ``TrainConfig`` that every run shares.
+
+    config = DemoConfig(seeds=3)                              # `lopti-lab demo --seeds 3`
+    config.train.lr, config.train.steps                       # the shared RL settings (DEMO_TRAIN)
+    config.train_config("GRPO+AR", seed=1, run_dir=...)       # one run: the shared settings + its method and seed
+
+The RL settings are the paper's (docs/paper.md §6: clip 0.2 / 0.24, dual clip 10, token-mean loss, AR alpha 0.3,
+Lopti eta 0.5) scaled down to a CPU: fewer prompts per step, shorter responses, and no KL term (it costs a second
+forward per step; at 0.001 it barely acts in a few dozen steps). Nothing is tuned per method: the shared settings were
+picked on GRPO alone (docs/demo.md says how).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import ClassVar
+
+from lopti_lab.checks import FieldCheck, rename_owner
+from lopti_lab.configs import from_dict
+from lopti_lab.methods import METHODS, ORDER, run_name
+from lopti_lab.train_config import TrainConfig
+
+__all__ = ["DEMO_TRAIN", "PER_RUN", "QUICK_TRAIN", "DemoConfig", "StudyConfig", "demo_train"]
+
+DEMO_TRAIN = {
+    "model": "lab",
+    "lora_r": None,
+    "train_people": (2, 3),
+    "eval_people": (2, 3),
+    "prompts_per_step": 8,
+    "group_size": 8,
+    "temperature": 1.0,
+    "max_new_tokens": 640,
+    "lr": 1e-3,
+    "adam_eps": 1e-3,
+    "minibatch_size": 32,
+    "kl_coef": 0.0,
+    "steps": 10,
+    "eval_every": 0,
+    "eval_size": 100,
+    "eval_samples": 2,
+    "probe_every": 5,
+    "save_every": 0,
+}
+"""The demo's TrainConfig fields where they differ from TrainConfig's defaults (docs/demo.md gives the reasons):
+the bundled lab model with full fine-tuning on its 2-3-person puzzles; 8 puzzles x 8 rollouts per step at T = 1.0,
+the sampled evaluation's temperature, so that training sees the slips the evaluation counts; two minibatches per
+step; AdamW lr 1e-3 with epsilon 1e-3 (at 1e-8 Adam's first steps move every parameter by about lr whatever its
+gradient, and the parameters whose gradients are sampling noise wreck the lab model); 10 steps; the test split
+sampled twice per puzzle at the end."""
+
+QUICK_TRAIN = {
+    "steps": 2,
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "minibatch_size": 16,
+    "eval_size": 8,
+    "eval_samples": 1,
+    "probe_every": 1,
+}
+"""What ``DemoConfig(quick=True)`` changes: every code path once, on the smallest batches that exercise it (tests,
+notebook QUICK), on the smallest people count only (the shortest traces)."""
+
+PER_RUN = ("seed", "run_dir", "ar_alpha", "lopti_eta", "lopti_order", "progress")
+"""TrainConfig fields each run sets itself (its seed, folder and method): ``DemoConfig.train`` must leave them at
+their defaults."""
+
+
+def demo_train(**changes) -> TrainConfig:
+    """The demo's shared TrainConfig (``DEMO_TRAIN``), with ``changes``."""
+    return TrainConfig(**{**DEMO_TRAIN, **changes})
+
+
+@dataclass
+class StudyConfig:
+    """What every study of the lab shares: the methods trained with every other setting in common, their seeds, the
+    one TrainConfig all runs share, a report folder, and the worker processes. ``DemoConfig`` and
+    ``demo.mechanism.MechanismConfig`` are its two studies; each names its own defaults (``TRAIN_DEFAULTS``)."""
+
+    TRAIN_DEFAULTS: ClassVar[dict] = DEMO_TRAIN
+    """The study's TrainConfig fields where they differ from TrainConfig's (a ``train`` dict changes these)."""
+
+    out: str = "reports/study"
+    """report folder (created; runs/ inside holds each run folder)"""
+    seeds: int = 1
+    """seeds per method (> 1 gives 95% intervals over seeds)"""
+    methods: tuple[str, ...] = ORDER
+    """the methods to train (lopti_lab.methods), each with every shared setting"""
+    train: TrainConfig = field(default_factory=demo_train)
+    """the settings every run shares (a dict of fields is read as changes to the study's defaults); each run sets its
+    own seed, folder and method switches (PER_RUN)"""
+    quick: bool = False
+    """a smoke version (tests, notebook QUICK): QUICK_TRAIN's smaller batches, 2 steps"""
+    threads: int | None = None
+    """torch threads of the study (None: torch's default), shared out among the workers"""
+    workers: int = 2
+    """runs trained at once, each in a process of its own with threads // workers torch threads (at least 1); 1
+    trains them one after another in this process"""
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        if isinstance(self.methods, list):  # JSON and argparse give lists
+            self.methods = tuple(self.methods)
+        if isinstance(self.train, Mapping):  # a JSON object (or the CLI's options): changes to the defaults
+            changes = self.train
+            self.train = self._renamed(lambda: from_dict(TrainConfig, {**self.TRAIN_DEFAULTS, **changes}))
+        check = FieldCheck(self)  # every field by name, before any model loads (docs/bad_inputs.md)
+        check.text("out")
+        check.need(not Path(self.out).is_file(), "out", "must be a folder, not a file")
+        check.integer("seeds", low=1)
+        check.items("methods", lambda m: m in METHODS, f"methods from {list(METHODS)}", distinct=True)
+        check.need(isinstance(self.train, TrainConfig), "train", "must be a TrainConfig")
+        check.flag("quick")
+        check.integer("threads", low=1, optional=True)
+        check.integer("workers", low=1)
+        self.check(check)
+        defaults = TrainConfig(model=self.train.model)
+        for name in PER_RUN:
+            value, default = getattr(self.train, name), getattr(defaults, name)
+            if value != default:
+                what = (
+                    "each run's seed is 0 .. seeds - 1" if name == "seed" else "each run sets it (its method, folder)"
+                )
+                raise ValueError(f"{owner}.train.{name} must be left at its default {default!r}: {what}, got "
+                                 f"{value!r}")  # fmt: skip
+        if self.quick:
+            people = {"train_people": self.train.train_people[:1], "eval_people": self.train.eval_people[:1]}
+            self.train = self._renamed(lambda: replace(self.train, **QUICK_TRAIN, **people))
+        for config in self.run_configs().values():  # the combinations (a missing data file, ...): as each run sees them
+            self._renamed(lambda c=config: replace(c))
+
+    def check(self, check: FieldCheck) -> None:
+        """A study's own fields' checks (the base checks the shared ones)."""
+
+    def _renamed(self, build):
+        """``build()``, with a TrainConfig error restated as this config's ``train`` field's."""
+        try:
+            return build()
+        except ValueError as err:
+            owner = f"{type(self).__name__}.train"
+            raise rename_owner(err, "TrainConfig", owner, [f.name for f in fields(TrainConfig)]) from None
+
+    def train_config(self, method: str, seed: int, run_dir: Path) -> TrainConfig:
+        """The TrainConfig of one run: every method shares everything but its own switches."""
+        return replace(self.train, seed=seed, run_dir=str(run_dir), **METHODS[method].overrides())
+
+    def run_dirs(self) -> dict[tuple[str, int], Path]:
+        """{(method, seed): run folder} of every run of the study, in training order (seed by seed)."""
+        root = Path(self.out) / "runs"
+        return {(m, s): root / run_name(m, seed=s) for s in range(self.seeds) for m in self.methods}
+
+    def run_configs(self) -> dict[tuple, TrainConfig]:
+        """{key: the TrainConfig of that run} for every run of the study (key: its run_dirs key)."""
+        return {(m, s): self.train_config(m, s, d) for (m, s), d in self.run_dirs().items()}
+
+
+@dataclass
+class DemoConfig(StudyConfig):
+    """`lopti-lab demo`: the four methods on the lab model, same data and seeds, then a report folder."""
+
+    out: str = "reports/demo"
+    """report folder (created; runs/ inside holds each run folder)"""
+    cache_warm_start: bool = True
+    """reuse a recorded warm-start evaluation of the same weights and settings (demo.run.warm_start_eval)"""
+
+    def check(self, check: FieldCheck) -> None:
+        check.flag("cache_warm_start")

@@ -1,0 +1,100 @@
+"""The paper's Fig. 3 as its code measures it: at an RL step, the share of the positive-advantage response tokens
+whose probability the step's real update raised, per bin of their rollout probability (docs/paper.md §5).
+
+The paper's code keeps the rollout's log-probs, runs the real update (both Lopti stages), recomputes the log-probs on
+the same batch, and bins ``delta_p = exp(new) - exp(old)`` of the A > 0 tokens (the advantages before AR) by
+probability quartiles and deciles. Its forwards run in bf16 (FSDP mixed precision), where a token near p = 1 often
+cannot show a move at all: how such zeros were counted is not stated. So this measures both ways, in two precisions:
+
+    precision "float64": the log-probs of float64 forwards before and after the update (a move of 1e-12 shows);
+              "bfloat16": bf16 autocast forwards (matmuls in bf16, as mixed precision computes), as the paper's code;
+    correct        share of the bin's A > 0 tokens whose log-prob rose (a token that did not move counts as not up)
+    correct_moved  the same among the tokens that moved (an unmoved token is left out)
+    zero_share     share that did not move at all (log-prob unchanged to the last bit)
+
+Metric keys: ``fig3/{precision}/{binning}/{stat}_bin{i}`` with binning "q" (quartiles, ``bins.DEFAULT_BINS``) or "d"
+(deciles, ``bins.DECILES``), and ``fig3/{binning}/n_bin{i}`` the bin's A > 0 token count. Only rows with a positive
+advantage are forwarded, so the measurement costs four forwards of about half the batch.
+
+Shape legend: k rows with A > 0, T response tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lopti_lab.bins import DECILES, DEFAULT_BINS, bin_index
+from lopti_lab.probes.shift import in_float64
+from lopti_lab.rollout import response_logprobs
+
+__all__ = ["BINNINGS", "PRECISIONS", "fig3_metrics", "positive_rows", "update_logprobs"]
+
+PRECISIONS = ("float64", "bfloat16")
+BINNINGS: dict[str, tuple[float, ...]] = {"q": DEFAULT_BINS, "d": DECILES}
+
+
+def positive_rows(advantages: torch.Tensor) -> torch.Tensor:
+    """The rows whose sequence advantage (before AR) is positive: (B,) -> (k,) indices."""
+    return (advantages > 0).nonzero()[:, 0]
+
+
+def update_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float,
+    fast_path: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """{precision: (k, T) log-probs of the rows' response tokens} under the model as it is now, no grad, eval mode."""
+    was_training = model.training
+    model.eval()
+    out = {}
+    device = next(model.parameters()).device.type
+    try:
+        with in_float64(model), torch.inference_mode():
+            out["float64"] = response_logprobs(
+                model, input_ids, attention_mask, response_mask, temperature, fast_path=fast_path
+            )[0]
+        with torch.inference_mode(), torch.autocast(device, dtype=torch.bfloat16):
+            logp = response_logprobs(model, input_ids, attention_mask, response_mask, temperature, fast_path=fast_path)
+            out["bfloat16"] = logp[0].float()
+    finally:
+        model.train(was_training)
+    return {k: v.clone() for k, v in out.items()}  # out of inference mode
+
+
+def fig3_metrics(
+    before: Mapping[str, torch.Tensor],
+    after: Mapping[str, torch.Tensor],
+    p_old: torch.Tensor,
+    mask: torch.Tensor,
+    binnings: Mapping[str, Sequence[float]] = BINNINGS,
+) -> dict[str, float]:
+    """The per-bin counts of the module docstring from log-probs taken before and after one update.
+
+    before, after: {precision: (k, T)}; p_old: (k, T) the rollout probabilities that bin the tokens; mask: (k, T)
+    the response tokens (all of these rows' tokens have A > 0). Worked example, one bin, tokens moving by
+    dlogp = (+1e-9, 0, -1e-9, +2e-9): correct 2/4, correct_moved 2/3, zero_share 1/4.
+    """
+    keep = mask.bool()
+    out: dict[str, float] = {}
+    for name, edges in binnings.items():
+        bins = bin_index(p_old.double(), edges)[keep]  # (n,)
+        n = torch.bincount(bins, minlength=len(edges) - 1)  # (K,)
+        out |= {f"fig3/{name}/n_bin{i}": float(c) for i, c in enumerate(n.tolist())}
+        for precision in before:
+            move = (after[precision].double() - before[precision].double())[keep]  # (n,)
+            up = torch.bincount(bins[move > 0], minlength=len(n))
+            zero = torch.bincount(bins[move == 0], minlength=len(n))
+            for i, (n_i, up_i, zero_i) in enumerate(zip(n.tolist(), up.tolist(), zero.tolist(), strict=True)):
+                moved = n_i - zero_i
+                key = f"fig3/{precision}/{name}"
+                out[f"{key}/correct_bin{i}"] = up_i / n_i if n_i else math.nan
+                out[f"{key}/correct_moved_bin{i}"] = up_i / moved if moved else math.nan
+                out[f"{key}/zero_share_bin{i}"] = zero_i / n_i if n_i else math.nan
+    return out

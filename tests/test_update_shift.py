@@ -1,0 +1,106 @@
+"""The paper's Fig. 3 measured as its code does (probes.update_shift): by hand, against a naive per-token count from
+plain float64 copies of the model, and inside training at every step."""
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lopti_lab.bins import DECILES
+from lopti_lab.kk import build_prompt, load_split
+from lopti_lab.models import LoraSpec, load_policy
+from lopti_lab.probes import fig3_metrics, positive_rows, update_logprobs
+from lopti_lab.rollout import sample
+from lopti_lab.train_config import TrainConfig
+from lopti_lab.trainer import train
+
+
+def test_the_docstrings_worked_example_counts_zeros_both_ways():
+    """One bin, four A > 0 tokens moving by dlogp = (+1e-9, 0, -1e-9, +2e-9): correct 2/4 (the unmoved one counts as
+    not up), correct_moved 2/3 (left out), zero_share 1/4; both precisions alike here."""
+    before = torch.full((1, 4), -0.1, dtype=torch.float64)
+    after = before + torch.tensor([[1e-9, 0.0, -1e-9, 2e-9]], dtype=torch.float64)
+    p_old = torch.full((1, 4), 0.9)
+    metrics = fig3_metrics({"float64": before}, {"float64": after}, p_old, torch.ones(1, 4), {"q": (0.0, 0.5, 1.0)})
+    assert metrics["fig3/q/n_bin1"] == 4 and metrics["fig3/q/n_bin0"] == 0
+    assert metrics["fig3/float64/q/correct_bin1"] == 0.5
+    assert metrics["fig3/float64/q/correct_moved_bin1"] == pytest.approx(2 / 3)
+    assert metrics["fig3/float64/q/zero_share_bin1"] == 0.25
+    assert math.isnan(metrics["fig3/float64/q/correct_bin0"])  # an empty bin is NaN, not 0
+
+
+def test_only_rows_with_a_positive_advantage_are_measured():
+    assert positive_rows(torch.tensor([0.5, -1.0, 0.0, 2.0])).tolist() == [0, 3]
+
+
+def test_fig3_matches_a_per_token_count_from_float64_copies(model_dir):
+    """float64: each bin's share of A > 0 tokens whose probability rose, counted token by token from plain full
+    forwards of float64 copies of the model before and after an update. The bf16 log-probs are those of a bf16
+    forward: off the float64 ones by bf16's rounding, not by float32's."""
+    model, tok = load_policy(str(model_dir), LoraSpec(r=4, alpha=8))
+    puzzles = load_split("train", 3, limit=3)
+    torch.manual_seed(0)
+    rollout = sample(model, tok, [build_prompt(p, "base") for p in puzzles], 4, max_new_tokens=6, with_logprobs=True)
+    advantages = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, 0.5, -2.0, 0.0, 1.0, 0.3, -0.5, -0.1])
+    rows = positive_rows(advantages)
+    ids, attn, mask = rollout.input_ids[rows], rollout.attention_mask[rows], rollout.response_mask[rows]
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+
+    def probs_of_a_copy():
+        with torch.no_grad():
+            logits = copy.deepcopy(model).double()(input_ids=ids, attention_mask=attn, position_ids=positions).logits
+        return logits.softmax(-1)  # (k, L, V)
+
+    before = update_logprobs(model, ids, attn, mask, 1.0)
+    old_probs = probs_of_a_copy()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1e-3)  # a small update: some tokens barely move
+    after = update_logprobs(model, ids, attn, mask, 1.0)
+    new_probs = probs_of_a_copy()
+    p_old = rollout.old_logp[rows].exp()
+    metrics = fig3_metrics(before, after, p_old, mask)
+    T = rollout.response_ids.shape[1]
+    counts: dict[int, list[int]] = {}
+    for b in range(len(rows)):
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            at, token = ids.shape[1] - T - 1 + t, rollout.response_ids[rows[b], t]
+            k = min(int(p_old[b, t].item() * 10), 9)  # the decile of the rollout probability
+            n, up = counts.get(k, [0, 0])
+            counts[k] = [n + 1, up + (new_probs[b, at, token] > old_probs[b, at, token]).item()]
+    assert counts and sum(n for n, _ in counts.values()) == int(mask.sum())
+    for k in range(len(DECILES) - 1):
+        n, up = counts.get(k, [0, 0])
+        assert metrics[f"fig3/d/n_bin{k}"] == n
+        if n:
+            assert metrics[f"fig3/float64/d/correct_bin{k}"] == pytest.approx(up / n)
+            assert metrics[f"fig3/float64/d/zero_share_bin{k}"] == 0.0  # float64 sees every move
+    rounding = (before["bfloat16"] - before["float64"])[mask.bool()].abs().max().item()
+    assert 1e-4 < rounding < 0.5, rounding  # bf16 (8 bits of mantissa), not float32 (~1e-6)
+
+
+@pytest.mark.parametrize("method", [{}, {"ar_alpha": 0.3, "lopti_eta": 0.5}])
+def test_training_measures_fig3_at_every_step_with_the_real_update(model_dir, tmp_path, method):
+    cfg = TrainConfig(
+        model=str(model_dir), lora_r=4, lora_alpha=8, prompt_style="base", train_people=(3,), train_limit=8,
+        eval_people=(), prompts_per_step=2, group_size=4, minibatch_size=8, max_new_tokens=8, lr=1e-3, steps=2,
+        save_every=0, shift_every=1, optimizer="sgd", run_dir=str(tmp_path / "run"), progress=False, **method,
+    )  # fmt: skip
+    history = train(cfg).history
+    for record in history:
+        if record["groups/zero_var_share"] == 1.0:
+            continue  # every advantage 0: no token to measure
+        n = sum(record[f"fig3/q/n_bin{i}"] for i in range(4))
+        assert n == sum(record[f"fig3/d/n_bin{i}"] for i in range(10)) > 0
+        assert 0 <= record["fig3/float64/q/correct_bin0"] <= 1 or math.isnan(record["fig3/float64/q/correct_bin0"])
+        assert record["time/shift"] > 0
+    off = train(replace(cfg, shift_every=0, run_dir=str(tmp_path / "off"))).history
+    assert not any(k.startswith("fig3/") for r in off for k in r)
+    # measuring changes nothing about training (no RNG drawn, weights restored to their dtype)
+    for a, b in zip(history, off, strict=True):
+        assert a["reward/mean"] == b["reward/mean"] and a["loss/policy"] == b["loss/policy"]
