@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from lopti_lab.configs import field_docs, from_dict, nested_config, read_json
+from lopti_lab.durable import DiskFullError
+from lopti_lab.runs import RunFolderError
 
 PER_RUN = ("seed", "run_dir", "ar_alpha", "lopti_eta", "lopti_order", "progress")
 """A study's TrainConfig fields that each run sets itself (demo.config.PER_RUN, repeated here so that listing the
@@ -38,9 +40,15 @@ commands imports no torch; tests/test_cli.py checks the two agree)."""
 __all__ = ["COMMANDS", "Command", "add_config_options", "build_parser", "main"]
 
 USAGE_ERROR = 2
-"""Exit code of every usage error (argparse's own too)."""
+"""Exit code of every usage error (argparse's own too), and of a run folder that cannot be written (damaged, or
+another process's)."""
 NONFINITE_STOP = 3
 """Exit code of ``train`` stopped by non-finite steps (the run is saved and resumable)."""
+NO_ROOM = 4
+"""Exit code of a run stopped by a full disk, a quota or a read-only file system (durable.DiskFullError): every
+finished step is kept; free space and run the command again (``train``: with ``--resume``)."""
+INTERRUPTED = 130
+"""Exit code after Ctrl-C (128 + SIGINT): every finished step is kept and no worker process is left behind."""
 
 
 @dataclass(frozen=True)
@@ -240,7 +248,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as err:  # a field (ConfigError, the config's own checks) or a run folder
         print(f"lopti-lab {command.name}: {err}", file=sys.stderr)
         return USAGE_ERROR
-    return int(RUNNERS[command.name](config, args) or 0)
+    try:
+        return int(RUNNERS[command.name](config, args) or 0)
+    except RunFolderError as err:  # a damaged folder, or one another process is writing (before any model loads)
+        print(f"lopti-lab {command.name}: {err}", file=sys.stderr)
+        return USAGE_ERROR
+    except DiskFullError as err:
+        print(f"lopti-lab {command.name}: stopped: {err}", file=sys.stderr)
+        return NO_ROOM
+    except KeyboardInterrupt:
+        again = "the same command with --resume" if command.name == "train" else "the same command"
+        print(
+            f"\nlopti-lab {command.name}: interrupted; every finished step is kept, {again} continues", file=sys.stderr
+        )
+        return INTERRUPTED
 
 
 def _config(command: Command, args: argparse.Namespace):
@@ -282,15 +303,11 @@ def run_data(config, args) -> int:
 
 def run_train(config, args) -> int:
     """Exit codes: 0 done, 2 a run folder that cannot be used (before any model loads), 3 stopped by non-finite
-    steps (resumable)."""
-    from lopti_lab import runs
+    steps (resumable), 4 a full disk (resumable), 130 Ctrl-C (resumable)."""
     from lopti_lab.trainer import NonFiniteError, train
 
     try:
         result = train(config, resume=args._resume)
-    except runs.RunFolderError as err:
-        print(f"lopti-lab train: {err}", file=sys.stderr)
-        return USAGE_ERROR
     except NonFiniteError as err:
         print(f"lopti-lab train: {err}", file=sys.stderr)
         return NONFINITE_STOP

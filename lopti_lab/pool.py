@@ -19,9 +19,10 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -30,7 +31,9 @@ from lopti_lab import runs
 from lopti_lab.train_config import TrainConfig
 from lopti_lab.trainer import train
 
-__all__ = ["RunPool", "train_or_resume"]
+__all__ = ["RunPool", "finished", "train_or_resume", "train_while"]
+
+T = TypeVar("T")
 
 POLL_SECONDS = 2.0
 """How often the progress bar reads the runs' step counts."""
@@ -123,3 +126,27 @@ def finished(config: TrainConfig) -> bool:
 def _train_run(config: TrainConfig) -> None:
     """One run in a worker process, without a progress bar of its own (``RunPool.wait`` draws one for all)."""
     train_or_resume(replace(config, progress=False))
+
+
+def train_while(configs: Sequence[TrainConfig], workers: int, meanwhile: Callable[[], T]) -> T:
+    """Train ``configs`` while ``meanwhile()`` runs in this process, and return what it returns: in ``workers``
+    processes sharing this process's torch threads (``RunPool``), or, with one worker, one after another here once
+    ``meanwhile`` is done. An error or an interrupt in ``meanwhile`` stops the workers; finished runs are kept."""
+    pool, threads_before = None, torch.get_num_threads()
+    if workers > 1 and configs:
+        torch.set_num_threads(max(1, threads_before // workers))
+        pool = RunPool(configs, workers, torch.get_num_threads())
+    try:
+        value = meanwhile()
+    except BaseException:
+        if pool is not None:
+            pool.stop()
+        raise
+    finally:
+        torch.set_num_threads(threads_before)
+    if pool is None:
+        for config in configs:
+            train_or_resume(config)
+    else:
+        pool.wait()
+    return value

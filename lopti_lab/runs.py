@@ -8,6 +8,7 @@ A run folder (``TrainConfig.run_dir``) holds everything needed to reload, compar
                                      optimizer.pt, rng.pt (python, numpy, torch and CUDA RNG states), tokenizer/,
                                      state.json (the step, and each file's size and sha256)
     checkpoints/latest               the name of the newest complete checkpoint ("step_{k}")
+    lock                             the writer's lock (``writer_lock``): one process writes a run at a time
 
 Crash consistency (lopti_lab.durable has the primitives). Every write reaches the disk in this order, so a kill or a
 power cut at any moment leaves a folder that ``check_resume`` can continue from:
@@ -71,14 +72,23 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import random
 import re
+import socket
+import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, no writer lock
+    fcntl = None
 
 from lopti_lab import durable
 from lopti_lab.methods import method_label
@@ -86,6 +96,7 @@ from lopti_lab.methods import method_label
 __all__ = [
     "RunFolder",
     "RunFolderError",
+    "RunFolderLocked",
     "compare",
     "latest_checkpoint",
     "load_checkpoint",
@@ -93,15 +104,57 @@ __all__ = [
     "load_metrics",
     "load_run",
     "save_checkpoint",
+    "writer_lock",
 ]
 
-CONFIG, METRICS, CHECKPOINTS, LATEST = "config.json", "metrics.jsonl", "checkpoints", "latest"
+CONFIG, METRICS, CHECKPOINTS, LATEST, LOCK = "config.json", "metrics.jsonl", "checkpoints", "latest", "lock"
 PARTIAL = ".partial"
 STEP_FOLDER = re.compile(r"step_(\d+)")
 
 
 class RunFolderError(ValueError):
     """A run folder that cannot be read or resumed as it is; the message names the file (and line)."""
+
+
+class RunFolderLocked(RunFolderError):
+    """A second writer on a folder another live process is writing; the message names that process."""
+
+
+@contextmanager
+def writer_lock(path: str | Path) -> Iterator[Path]:
+    """Hold ``path``'s writer lock for the block: a run (``train``, its resume, a panel's run, a demo worker) or a
+    study's report folder has one writer at a time.
+
+    The lock is an ``flock`` on ``<path>/lock``, whose text names the owner (pid, host, since when). A second writer
+    is refused at once with a RunFolderLocked naming it; the kernel drops a lock when its process ends, however it
+    ends (SIGKILL included), so a lock left by a dead process is simply taken over. Readers (``load_run``, notebook
+    05) never take it. Where ``flock`` does not exist (Windows) there is no lock."""
+    path = Path(path)
+    with durable.room(path):
+        path.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield path
+        return
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+            raise RunFolderLocked(
+                f"{path} is being written by {owner} (its lock: {path / LOCK}); a second writer is refused: wait for "
+                "it to finish or stop it (a lock whose process has died is taken over)"
+            ) from None
+        note = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        with durable.room(path / LOCK, len(note)):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, note.encode(), 0)
+        try:
+            yield path
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 class RunFolder:
@@ -119,8 +172,9 @@ class RunFolder:
         return (self.path / CONFIG).exists() or self.metrics_path.exists()
 
     def write_config(self, config: Mapping) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        durable.fsync_dir(self.path.parent)
+        with durable.room(self.path):
+            self.path.mkdir(parents=True, exist_ok=True)
+            durable.fsync_dir(self.path.parent)
         durable.atomic_write(self.path / CONFIG, (json.dumps(dict(config), indent=2) + "\n").encode())
 
     def log(self, record: Mapping) -> None:
@@ -223,7 +277,28 @@ def latest_checkpoint(path: str | Path) -> Path | None:
 def save_checkpoint(path: str | Path, step: int, model, optimizer=None, tokenizer=None) -> Path:
     """Save the trainable weights, optimizer state and RNG states after ``step`` (order 3-4 of the module docstring):
     into step_{k}.partial/, state.json with every file's size and sha256 last, rename, then point ``latest`` at it.
-    A crash at any moment leaves the previous checkpoint as the latest."""
+    A crash at any moment leaves the previous checkpoint as the latest; so does a full disk (DiskFullError), which
+    also removes the partial checkpoint to give its space back."""
+    root = Path(path) / CHECKPOINTS
+    final, partial = root / f"step_{step}", root / f"step_{step}{PARTIAL}"
+    if final.is_dir() and latest_checkpoint(path) == final:
+        raise RunFolderError(f"{final} is already the latest checkpoint; a step is saved once")
+    with durable.room(root):
+        root.mkdir(parents=True, exist_ok=True)
+    durable.remove(partial)  # left by a crash mid-save: never committed
+    try:
+        _write_checkpoint(partial, step, model, optimizer, tokenizer)
+    except durable.DiskFullError:  # give the space back at once; the previous checkpoint stays the latest
+        durable.remove(partial)
+        raise
+    durable.remove(final)  # an uncommitted leftover (renamed, but latest never named it)
+    durable.replace(partial, final)
+    durable.atomic_write(root / LATEST, (final.name + "\n").encode())
+    return final
+
+
+def _write_checkpoint(partial: Path, step: int, model, optimizer, tokenizer) -> None:
+    """Every file of checkpoint ``step`` into ``partial``, fsynced, state.json (each file's size and sha256) last."""
     # torch (and models, which loads it) only here and in load_checkpoint: reading run folders stays light
     import numpy as np
     import torch
@@ -231,20 +306,17 @@ def save_checkpoint(path: str | Path, step: int, model, optimizer=None, tokenize
 
     from lopti_lab.models import is_peft, trainable_state_dict
 
-    root = Path(path) / CHECKPOINTS
-    final, partial = root / f"step_{step}", root / f"step_{step}{PARTIAL}"
-    if final.is_dir() and latest_checkpoint(path) == final:
-        raise RunFolderError(f"{final} is already the latest checkpoint; a step is saved once")
-    root.mkdir(parents=True, exist_ok=True)
-    durable.remove(partial)  # left by a crash mid-save: never committed
-    partial.mkdir()
+    with durable.room(partial):
+        partial.mkdir()
     blobs = {}
     if is_peft(model):
-        model.save_pretrained(partial / "adapter")  # loadable with peft.PeftModel.from_pretrained(base, folder)
+        with durable.room(partial / "adapter"):  # loadable with peft.PeftModel.from_pretrained(base, folder)
+            model.save_pretrained(partial / "adapter")
     else:
         blobs["model.safetensors"] = save(trainable_state_dict(model))
     if tokenizer is not None and not is_peft(model):
-        tokenizer.save_pretrained(partial / "tokenizer")
+        with durable.room(partial / "tokenizer"):
+            tokenizer.save_pretrained(partial / "tokenizer")
     if optimizer is not None:
         blobs["optimizer.pt"] = _torch_bytes(optimizer.state_dict())
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -257,10 +329,6 @@ def save_checkpoint(path: str | Path, step: int, model, optimizer=None, tokenize
     state = {"step": step, "files": _manifest(partial)}
     durable.write(partial / "state.json", (json.dumps(state, indent=1) + "\n").encode())
     durable.fsync_dir(partial)
-    durable.remove(final)  # an uncommitted leftover (renamed, but latest never named it)
-    durable.replace(partial, final)
-    durable.atomic_write(root / LATEST, (final.name + "\n").encode())
-    return final
 
 
 def load_checkpoint(folder: str | Path, model, optimizer=None, restore_rng: bool = True) -> int:

@@ -425,10 +425,20 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
     RunFolderError naming the file and line): weights, optimizer and RNG states are restored and metrics.jsonl is cut
     back to that step, so on CPU the continued run reproduces a straight one exactly. After
     ``config.max_nonfinite_steps`` consecutive non-finite steps it saves a checkpoint and raises NonFiniteError.
+
+    The run folder has one writer at a time (``runs.writer_lock``): a second ``train`` on a folder another live
+    process is writing is refused at once with RunFolderLocked naming it. A full disk stops the run with a
+    ``durable.DiskFullError`` naming the file, the folder left consistent: free space and resume.
     """
     cfg = config
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=str(Path("runs") / run_name(cfg.method)))
+    with runs.writer_lock(cfg.run_dir):
+        return _train(cfg, callbacks, resume)
+
+
+def _train(cfg: TrainConfig, callbacks: Iterable[Callback], resume: bool) -> TrainResult:
+    """``train``'s body, under the folder's writer lock."""
     folder = runs.RunFolder(cfg.run_dir)
     point = resume_point(cfg) if resume else None
     if not resume and folder.exists():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import io
+import signal
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -172,6 +173,34 @@ def _in_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+_LIVE_STOPS: set[threading.Event] = set()
+"""The stop events of the panel runs in progress: a kernel interrupt sets them all."""
+
+
+def _on_sigint(signum, frame) -> None:
+    """A kernel interrupt while panel runs train: each stops after its current step, with a checkpoint. (Outside a
+    cell ipykernel ignores SIGINT; inside one it raises KeyboardInterrupt there as always.)"""
+    for event in list(_LIVE_STOPS):
+        event.set()
+
+
+def _stop_on_kernel_interrupt(event: threading.Event) -> None:
+    """Make the kernel's interrupt (SIGINT) reach ``event`` while its run trains. ipykernel ignores SIGINT between
+    messages and puts back, after each one, the handler it found before it (``kernel.saved_sigint_handler``), so the
+    handler is installed there too; it stays installed (only the main thread may change it), and does nothing once
+    the runs are over."""
+    _LIVE_STOPS.clear()  # events of runs that are over
+    _LIVE_STOPS.add(event)
+    if not _in_kernel() or threading.current_thread() is not threading.main_thread():
+        return  # outside a kernel SIGINT keeps Python's own handler (Ctrl-C raises KeyboardInterrupt)
+    from IPython import get_ipython
+
+    kernel = get_ipython().kernel
+    signal.signal(signal.SIGINT, _on_sigint)
+    if hasattr(kernel, "saved_sigint_handler"):
+        kernel.saved_sigint_handler = _on_sigint
+
+
 class TrainPanel(_Panel):
     """GRPO on K&K with AR and Lopti switches: Run trains in the background (a run folder under ``run_root``), the
     plots refresh after every step, Stop ends the run cleanly after the current step (its records and a checkpoint
@@ -260,36 +289,59 @@ class TrainPanel(_Panel):
         _show(self.output, plots.live_training(self.history))
         return self._stop.is_set()
 
+    @property
+    def settings(self) -> list[W.Widget]:
+        """The controls that set a run's config: locked while it trains (its config cannot change mid-run)."""
+        return [self.model, self.name, self.ar, self.alpha, self.lopti, self.eta, self.order, self.optimizer,
+                self.steps, self.lr, self.prompts, self.group_size]  # fmt: skip
+
+    def _lock_settings(self, locked: bool) -> None:
+        for control in self.settings:
+            control.disabled = locked
+        if not locked:  # alpha and eta follow their switches again
+            self.alpha.disabled = not self.ar.value
+            self.eta.disabled = self.order.disabled = not self.lopti.value
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def run(self, block: bool | None = None):
-        """Start training. In a live kernel it runs in a background thread (so Stop stays clickable) unless
-        ``block=True``; elsewhere it blocks and returns the TrainResult."""
-        if self._thread is not None and self._thread.is_alive():
-            self.status.value = "already running"
+        """Start training, or continue it: a run name whose folder holds an unfinished run of the same settings
+        resumes from its last checkpoint (after a Stop, a kernel interrupt or a kernel restart). In a live kernel it
+        runs in a background thread (so Stop stays clickable) unless ``block=True``; elsewhere it blocks and returns
+        the TrainResult. While it runs, the settings are locked and Run says it is busy."""
+        if self.running:
+            self.status.value = "already running: Stop it first (it ends after the current step)"
             return None
         try:
             config = self.config()
         except ValueError as err:
             self.status.value = f"<b>bad setting</b>: {err}"
             return None
+        resume = runs.RunFolder(config.run_dir).exists()
         self.history, self.result, self.error = [], None, None
         self._stop.clear()
         self.progress.max, self.progress.value = config.steps, 0
-        self.status.value = f"training {config.method} into {config.run_dir} ..."
+        verb = "resuming" if resume else "training"
+        self.status.value = f"{verb} {config.method} into {config.run_dir} ..."
         self.run_button.disabled, self.stop_button.disabled = True, False
+        self._lock_settings(True)
+        _stop_on_kernel_interrupt(self._stop)
 
         def work():
             try:
-                self.result = train(config, callbacks=[self._on_step])
+                self.result = train(config, callbacks=[self._on_step], resume=resume)
                 last = self.result.history[-1]["step"] if self.result.history else 0
-                self.status.value = (
-                    f"{'stopped' if self.result.stopped else 'done'} after step {last}: {config.run_dir}"
-                )
+                stopped = self.result.stopped or last < config.steps
+                self.status.value = f"{'stopped' if stopped else 'done'} after step {last}: {config.run_dir}"
             except Exception as err:  # shown in the panel and kept; the thread must not die silently
                 self.error = err
                 self.status.value = f"<b>error</b>: {type(err).__name__}: {err}"
                 if not threaded:
                     raise
             finally:
+                self._lock_settings(False)
                 self.run_button.disabled, self.stop_button.disabled = False, True
 
         threaded = _in_kernel() if block is None else not block

@@ -169,3 +169,105 @@ def test_screenshots_are_small_enough_to_commit():
     assert docs, "docs/ui_*.png: the README's notebook screenshots"
     assert all(p.stat().st_size < 200_000 for p in docs), [(p.name, p.stat().st_size) for p in docs]
     assert all(f"docs/{p.name}" in (ROOT / "README.md").read_text() for p in docs)
+
+
+def held_locks(root: Path) -> int:
+    """How many run folders under ``root`` a live process is writing now (their writer lock is held)."""
+    import fcntl
+    import os
+
+    held = 0
+    for lock in root.glob("*/lock"):
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            held += 1
+        finally:
+            os.close(fd)
+    return held
+
+
+@pytest.mark.slow
+def test_04_panel_under_a_restless_hand(browser, lab):
+    """A seeded sequence of 120 random events on notebook 04's panel (Run, Stop, double clicks, switches, sliders,
+    the optimizer, run names that repeat so that some runs resume), during runs and between them, as fast as a hand.
+    At the end: no page, console or kernel error; never two runs writing at once; every run folder it made passes
+    check_resume and loads as notebook 05 reads it; the status line tells the truth about the last run. A control
+    that cannot change mid-run is disabled while the run trains."""
+    import random
+
+    from playwright.sync_api import expect
+
+    from lopti_lab import runs
+    from lopti_lab.resume import check_resume
+
+    page = open_and_run(browser, lab, "04")
+    train = page.panel("Advantage Reweighting")
+    status = train.locator(".widget-html")
+    run_button, stop_button = train.get_by_role("button", name="Run"), train.get_by_role("button", name="Stop")
+    name_box = train.get_by_placeholder("run name")
+    rng = random.Random(20261203)
+    names = ["hand-a", "hand-b", "hand-c"]
+
+    def set_name():
+        name_box.fill(rng.choice(names))
+        name_box.press("Enter")
+
+    def nudge_slider(label):
+        def move():
+            slider = train.get_by_role("slider").filter(has=page.page.locator(f"[aria-label='{label}']"))
+            target = slider if slider.count() else train.get_by_role("slider").nth(rng.randrange(2))
+            target.first.focus()
+            page.page.keyboard.press(rng.choice(["ArrowRight", "ArrowLeft"]))
+
+        return move
+
+    actions = {
+        "run": lambda: run_button.click(),
+        "double run": lambda: run_button.dblclick(),
+        "stop": lambda: stop_button.click(),
+        "stop then run": lambda: (stop_button.click(), run_button.click()),
+        "AR": lambda: train.get_by_label("Advantage Reweighting").click(),
+        "Lopti": lambda: train.get_by_label("Lopti", exact=True).click(),
+        "slider": nudge_slider("alpha"),
+        "optimizer": lambda: train.get_by_role("button", name=rng.choice(["adamw", "sgd"])).click(),
+        "name": set_name,
+    }
+    set_name()
+    tried, skipped, max_held = 0, 0, 0
+    for _ in range(120):
+        kind = rng.choice(list(actions))
+        controls = {"run": run_button, "double run": run_button, "stop": stop_button, "stop then run": stop_button}
+        control = controls.get(kind)
+        running = stop_button.is_enabled()
+        if running:  # mid-run, every setting is locked: a person cannot move it
+            assert train.get_by_label("Advantage Reweighting").is_disabled() and name_box.is_disabled()
+        if (control is not None and control.is_disabled()) or (kind not in controls and running):
+            skipped += 1  # a disabled control: nothing to click
+        else:
+            actions[kind]()
+            tried += 1
+        max_held = max(max_held, held_locks(lab.root / "runs"))
+        page.page.wait_for_timeout(rng.choice([50, 200, 600]))
+    if stop_button.is_enabled():
+        stop_button.click()
+    expect(run_button).to_be_enabled(timeout=WAIT_MS)
+    assert max_held <= 1, "two runs wrote at once"
+    assert tried >= 60, (tried, skipped)
+    assert not page.problems(), page.problems()
+    assert not page.errors(ALLOWED_CONSOLE), page.errors(ALLOWED_CONSOLE)
+    made = [d for d in (lab.root / "runs").iterdir() if d.name in names and (d / runs.CONFIG).is_file()]
+    assert made, "the hand started no run"
+    for run_dir in made:
+        check_resume(run_dir)  # the folder of every run it started can be continued
+        records = runs.load_run(run_dir)  # and loads as notebook 05 reads it
+        assert list(records["step"]) == list(range(1, len(records) + 1))
+    text = status.inner_text()
+    last = re.search(r"(done|stopped) after step (\d+): runs/(hand-[abc])", text)
+    error = re.search(r"error|bad setting|already", text)
+    assert last or error, text
+    if last:  # the status names the last run and its step, which its folder holds
+        assert len(runs.load_metrics(lab.root / "runs" / last.group(3))) == int(last.group(2)), text
+    finish(page, lab)

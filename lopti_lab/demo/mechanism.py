@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
@@ -30,16 +31,17 @@ from typing import ClassVar
 import pandas as pd
 import torch
 
-from lopti_lab import plots, runs
+from lopti_lab import durable, plots, runs
+from lopti_lab.bins import DEFAULT_BINS
 from lopti_lab.checks import FieldCheck, is_real
 from lopti_lab.counterfactual import FrozenBatch, counterfactual, frozen_batch, whole_batch_config
 from lopti_lab.demo.config import DEMO_TRAIN, StudyConfig
 from lopti_lab.demo.stats import ci95
 from lopti_lab.kk import load_split
-from lopti_lab.methods import METHODS, run_name
+from lopti_lab.methods import LOPTI_ETA, METHODS, run_name
 from lopti_lab.models import load_policy
 from lopti_lab.paths import data_dir
-from lopti_lab.pool import RunPool, finished, train_or_resume
+from lopti_lab.pool import finished, train_while
 from lopti_lab.probes import selective_sweep, selective_update
 from lopti_lab.train_config import TrainConfig
 
@@ -147,33 +149,30 @@ def run_mechanism(config: MechanismConfig) -> Path:
     and write the report; returns the report folder."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    with runs.writer_lock(config.out):  # one study per report folder (and each run its own lock, in its worker)
+        return _run_mechanism(config)
+
+
+def _run_mechanism(config: MechanismConfig) -> Path:
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     todo = [c for c in config.run_configs().values() if not finished(c)]
-    pool, threads_before = None, torch.get_num_threads()
-    if config.workers > 1 and todo:
-        torch.set_num_threads(max(1, threads_before // config.workers))
-        pool = RunPool(todo, config.workers, torch.get_num_threads())
-    try:
-        frozen = _frozen_measurements(config, out)
-    except BaseException:
-        if pool is not None:
-            pool.stop()
-        raise
-    finally:
-        torch.set_num_threads(threads_before)
-    if pool is None:
-        for run in todo:
-            train_or_resume(run)
-    else:
-        pool.wait()
+
+    def measure() -> dict:
+        with durable.room(out):
+            return _frozen_measurements(config, out)
+
+    frozen = train_while(todo, config.workers, measure)
+    with durable.room(out):  # a full disk: a DiskFullError naming the report folder (the runs are all kept)
+        return _write_report(config, out, frozen, (time.perf_counter() - start) / 60)
+
+
+def _write_report(config: MechanismConfig, out: Path, frozen: dict, minutes: float) -> Path:
     long = fig3_long(config)
     long.to_csv(out / "fig3_steps.csv", index=False)
     table = fig3_table(long)
     table.to_csv(out / "fig3.csv", index=False)
     plots.fig3(table).savefig(out / "fig3.png", dpi=110)
-    minutes = (time.perf_counter() - start) / 60
     summary = {"minutes": minutes, "runs": len(config.run_dirs()), "frozen_batch": frozen}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     (out / "report.md").write_text(_report(config, table, frozen, minutes))
@@ -226,12 +225,15 @@ def _fig1_table(tokens: pd.DataFrame, grads: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def step_size_scan(model, batch: FrozenBatch, step_sizes) -> pd.DataFrame:
+def step_size_scan(model, batch: FrozenBatch, step_sizes, eta: float = LOPTI_ETA) -> pd.DataFrame:
     """One SGD update of GRPO and of GRPO+Lopti on the frozen batch at each lr, without gradient clipping (the
     first-order argument's premise: a clipped step is not linear in the gradient): the size of Lopti's departure from
     GRPO's update relative to GRPO's own (``rel_diff`` = ||dlogp_Lopti - dlogp_GRPO|| / ||dlogp_GRPO||, over every
     response token; first order in lr makes it proportional to lr), and each one's top-bin correct ratio."""
-    pair = {label: METHODS[label].overrides() for label in ("GRPO", "GRPO+Lopti")}
+    pair = {
+        "GRPO": METHODS["GRPO"].overrides(),
+        "GRPO+Lopti": METHODS["GRPO+Lopti"].with_settings(lopti_eta=eta).overrides(),
+    }
     base = whole_batch_config(batch, grad_clip=None)
     rows = []
     for lr in step_sizes:
@@ -248,7 +250,7 @@ def step_size_scan(model, batch: FrozenBatch, step_sizes) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def decomposition(model, batch: FrozenBatch, optimizers) -> pd.DataFrame:
+def decomposition(model, batch: FrozenBatch, optimizers, bins: Sequence[float] = DEFAULT_BINS) -> pd.DataFrame:
     """Under each optimizer setting's first step (SGD; AdamW's first step g / (|g| + eps) at that setting's lr and
     epsilon), the top bin's A > 0 tokens after updating all tokens, the top bin's alone, and the other bins' alone:
     their correct ratio each, the share of the all-token move along the others' move (``from_rest`` = <d_all,
@@ -256,20 +258,21 @@ def decomposition(model, batch: FrozenBatch, optimizers) -> pd.DataFrame:
     of the two (``additivity`` = ||d_all - d_top - d_rest|| / ||d_all||: 0 to first order for SGD)."""
     r = batch.rollout
     args = (model, r.input_ids, r.attention_mask, r.response_mask, batch.advantages)
+    top = len(bins) - 2
     rows = []
     for name in optimizers:
         setting = OPTIMIZER_SETTINGS[name]
         kw = {"lr": setting["lr"], "optimizer": setting["optimizer"], "adam_eps": setting["adam_eps"],
-              "temperature": batch.temperature}  # fmt: skip
+              "temperature": batch.temperature, "bins": bins}  # fmt: skip
         moves = {}
-        for part, bins in (("all", None), ("top", [3]), ("rest", [0, 1, 2])):
-            tokens = selective_update(*args, bins, **kw).shift.tokens
+        for part, chosen in (("all", None), ("top", [top]), ("rest", list(range(top)))):
+            tokens = selective_update(*args, chosen, **kw).shift.tokens
             moves[part] = tokens.sort_values(["seq", "pos"]).reset_index(drop=True)
-        top = (moves["all"]["bin"] == 3) & (moves["all"]["advantage"] > 0)
-        d = {part: t.loc[top, "dlogp"].to_numpy() for part, t in moves.items()}
+        in_top = (moves["all"]["bin"] == top) & (moves["all"]["advantage"] > 0)
+        d = {part: t.loc[in_top, "dlogp"].to_numpy() for part, t in moves.items()}
         norm = max(1e-300, float((d["all"] ** 2).sum()))
         rows.append({
-            "optimizer": name, "tokens": int(top.sum()),
+            "optimizer": name, "tokens": int(in_top.sum()),
             **{f"correct_{part}": float((v > 0).mean()) if len(v) else float("nan") for part, v in d.items()},
             "from_rest": float((d["all"] * d["rest"]).sum() / norm),
             "from_top": float((d["all"] * d["top"]).sum() / norm),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lopti_lab import durable, runs
 from lopti_lab.counterfactual import Counterfactual, counterfactual, frozen_batch
 from lopti_lab.demo.config import DemoConfig
 from lopti_lab.demo.report import write_report
@@ -26,7 +27,7 @@ from lopti_lab.lab.evaluate import evaluate_warm_start
 from lopti_lab.methods import METHODS
 from lopti_lab.models import load_policy, model_path
 from lopti_lab.paths import cache_dir
-from lopti_lab.pool import RunPool, finished, train_or_resume
+from lopti_lab.pool import finished, train_while
 from lopti_lab.train_config import TrainConfig
 
 __all__ = ["WARM_START_CACHE", "run_demo", "warm_start_eval"]
@@ -37,34 +38,22 @@ def run_demo(config: DemoConfig) -> Path:
     returns the report folder."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    with runs.writer_lock(config.out):  # one demo per report folder (and each run its own lock, in its worker)
+        return _run_demo(config)
+
+
+def _run_demo(config: DemoConfig) -> Path:
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     base = config.train_config(config.methods[0], 0, out / "runs" / "probe")
     run_dirs = config.run_dirs()
-    todo = [config.train_config(m, s, d) for (m, s), d in run_dirs.items()]
-    todo = [c for c in todo if not finished(c)]
+    todo = [c for c in config.run_configs().values() if not finished(c)]
     reused = len(run_dirs) - len(todo)  # earlier, complete runs of the same report are kept
-    pool, threads_before = None, torch.get_num_threads()
-    if config.workers > 1 and todo:  # the runs start now; this process meanwhile measures the frozen batch
-        threads = max(1, threads_before // config.workers)  # config.threads, when given, is set above
-        torch.set_num_threads(threads)
-        pool = RunPool(todo, config.workers, threads)
-    try:
-        warm, shift = _warm_start_and_counterfactual(config, base)
-    except BaseException:
-        if pool is not None:
-            pool.stop()
-        raise
-    finally:
-        torch.set_num_threads(threads_before)
-    if pool is None:
-        for run in todo:
-            train_or_resume(run)
-    else:
-        pool.wait()
+    # the runs start now (or after, with one worker); this process meanwhile measures the warm start and the batch
+    warm, shift = train_while(todo, config.workers, lambda: _warm_start_and_counterfactual(config, base))
     minutes = (time.perf_counter() - start) / 60
-    report = write_report(config, out, run_dirs, warm, shift, minutes=minutes, reused=reused)
+    with durable.room(out):  # a full disk: a DiskFullError naming the report folder (the runs are all kept)
+        report = write_report(config, out, run_dirs, warm, shift, minutes=minutes, reused=reused)
     return report
 
 
