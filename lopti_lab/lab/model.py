@@ -89,7 +89,9 @@ def model_card(summary: dict, prompt_style: str) -> str:
         cells = [f"{final.get(f'test/{mode}/acc_{n}ppl', float('nan')):.2f}" for n in people]
         rows.append(f"| {label} | " + " | ".join(cells) + f" | {final.get(f'test/{mode}/format_error_rate', 0):.3f} |")
     spec = cfg["spec"]
-    trained = ", ".join(str(n) for n in cfg["people"])
+    counts = [str(n) for n in cfg["people"]]
+    trained = counts[0] if len(counts) == 1 else ", ".join(counts[:-1]) + "- and " + counts[-1]
+    threads = summary.get("threads", "?")
     return f"""---
 license: mit
 library_name: transformers
@@ -114,7 +116,7 @@ that sampled accuracy sits below greedy and GRPO has something to sharpen.
 
 Supervised warm start from random weights on solver traces of generated {trained}-person puzzles (none from the test
 split), {summary["steps_done"]} AdamW steps of {cfg["batch_size"]} sequences, lr {cfg["lr"]:g} (cosine), bf16
-autocast, {summary["minutes"]:.0f} minutes on {summary.get("threads", "?")} CPU threads
+autocast, {summary["minutes"]:.0f} minutes on {threads} CPU thread{"" if threads == 1 else "s"}
 (torch {summary.get("torch", "?")}).
 The tokenizer is byte-level BPE learned on K&K text, in transformers' own `Qwen2Tokenizer`. The full record
 (config, loss curve, evaluations) is `lab_model.json`. To reproduce it:
