@@ -22,7 +22,8 @@ from lopti_lab.demo.config import demo_train
 from lopti_lab.kk import load_split
 from lopti_lab.methods import METHODS
 from lopti_lab.models import load_policy
-from lopti_lab.trainer import PuzzleStream, build_optimizer, train_step
+from lopti_lab.trainer import PuzzleStream, train_step
+from lopti_lab.update import build_optimizer
 
 
 def main() -> None:

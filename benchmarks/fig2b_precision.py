@@ -28,7 +28,7 @@ from lopti_lab.methods import METHODS
 from lopti_lab.models import load_policy
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.rollout import response_logprobs
-from lopti_lab.trainer import advantages_and_stages, update_policy
+from lopti_lab.update import advantages_and_stages, update_policy
 
 
 def measure(model, batch, lr: float, optimizer: str) -> pd.DataFrame:

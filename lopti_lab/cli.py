@@ -33,7 +33,8 @@ from lopti_lab.configs import field_docs, from_dict, nested_config, read_json
 from lopti_lab.durable import DiskFullError
 from lopti_lab.runs import RunFolderError
 
-PER_RUN = ("seed", "run_dir", "ar_alpha", "lopti_eta", "lopti_order", "progress")
+PER_RUN = ("seed", "run_dir", "progress", "ar_alpha", "lopti_eta", "lopti_order", "loss", "forking_rho",
+           "entropy_adv_alpha")  # fmt: skip
 """A study's TrainConfig fields that each run sets itself (demo.config.PER_RUN, repeated here so that listing the
 commands imports no torch; tests/test_cli.py checks the two agree)."""
 

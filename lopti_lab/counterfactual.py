@@ -22,14 +22,14 @@ import torch
 from lopti_lab.bins import DEFAULT_BINS
 from lopti_lab.evaluate import score_rollout
 from lopti_lab.kk import Puzzle, build_prompt
-from lopti_lab.methods import METHODS
+from lopti_lab.methods import METHODS, PAPER
 from lopti_lab.models import PROMPT_STYLE_KEY
 from lopti_lab.objective import group_advantages
 from lopti_lab.probes import GradientProbe, bin_gradient_norms, probability_shift
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.rollout import Rollout, response_logprobs, sample
 from lopti_lab.train_config import OPTIMIZERS, TrainConfig
-from lopti_lab.trainer import advantages_and_stages, build_optimizer, update_policy
+from lopti_lab.update import advantages_and_stages, build_optimizer, update_policy
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the frozen-batch counterfactual
@@ -125,7 +125,7 @@ def counterfactual(
     and no weight decay (its first step moves a parameter by lr * g / (|g| + eps): sign-like where eps << |g|).
     The correct ratio compares each token's probability change with the sign of its advantage (AR never flips it).
     """
-    methods = {m.label: m.overrides() for m in METHODS.values()} if methods is None else methods
+    methods = {label: METHODS[label].overrides() for label in PAPER} if methods is None else methods
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     rollout = batch.rollout

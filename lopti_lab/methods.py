@@ -16,7 +16,18 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, is_dataclass, replace
 
-__all__ = ["AR_ALPHA", "LOPTI_ETA", "METHODS", "ORDER", "Method", "method_label", "method_of", "run_name"]
+__all__ = [
+    "AR_ALPHA",
+    "LOPTI_ETA",
+    "METHODS",
+    "METHOD_FIELDS",
+    "ORDER",
+    "PAPER",
+    "Method",
+    "method_label",
+    "method_of",
+    "run_name",
+]
 
 AR_ALPHA = 0.3
 """The paper's AR strength on K&K (docs/paper.md §6)."""
@@ -37,6 +48,12 @@ class Method:
     """Lopti threshold (§4): tokens with pi_old < eta are updated first, then the rest; None: one update on all."""
     lopti_order: str = "low_first"
     """"low_first" (Lopti) or "high_first" (the paper's ablation)."""
+    loss: str = "ppo"
+    """the policy loss (TrainConfig.loss): "ppo" (the paper's), "cispo", "clip_cov" or "kl_cov"."""
+    forking_rho: float | None = None
+    """forking tokens: only the top-rho entropy tokens carry the gradient; None: off."""
+    entropy_adv_alpha: float | None = None
+    """the entropy-shaped advantage's alpha; None: off."""
 
     def __post_init__(self):
         if self.ar_alpha is not None and not 0.0 <= self.ar_alpha <= 1.0:
@@ -45,6 +62,8 @@ class Method:
             raise ValueError(f"Method.lopti_eta must be in (0, 1) or None, got {self.lopti_eta!r}")
         if self.lopti_order not in ("low_first", "high_first"):
             raise ValueError(f"Method.lopti_order must be 'low_first' or 'high_first', got {self.lopti_order!r}")
+        if self.loss not in LOSS_LABELS:
+            raise ValueError(f"Method.loss must be one of {tuple(LOSS_LABELS)}, got {self.loss!r}")
 
     @property
     def slug(self) -> str:
@@ -58,7 +77,12 @@ class Method:
 
     def overrides(self) -> dict:
         """The TrainConfig fields this method sets (every other field is shared by all methods of a comparison)."""
-        return {"ar_alpha": self.ar_alpha, "lopti_eta": self.lopti_eta, "lopti_order": self.lopti_order}
+        return {name: getattr(self, name) for name in METHOD_FIELDS}
+
+    @property
+    def is_papers(self) -> bool:
+        """Whether this is one of the paper's four (GRPO with AR and / or Lopti, the clipped loss)."""
+        return self.loss == "ppo" and self.forking_rho is None and self.entropy_adv_alpha is None
 
     def with_settings(self, ar_alpha: float | None = None, lopti_eta: float | None = None) -> Method:
         """The same method at another alpha or eta (a switch that is off stays off)."""
@@ -69,6 +93,17 @@ class Method:
         )
 
 
+METHOD_FIELDS = ("ar_alpha", "lopti_eta", "lopti_order", "loss", "forking_rho", "entropy_adv_alpha")
+"""The TrainConfig fields a method sets; a comparison shares every other one."""
+
+LOSS_LABELS = {"ppo": "", "cispo": "+CISPO", "clip_cov": "+Clip-Cov", "kl_cov": "+KL-Cov"}
+"""How each TrainConfig.loss reads in a method's label."""
+
+FORKING_RHO = 0.2
+"""Wang et al. 2025's share of forking tokens."""
+ENTROPY_ADV_ALPHA = 0.4
+"""The entropy-shaped advantage's alpha in the lab (Cheng et al.'s own defaults are not verified: docs/methods.md)."""
+
 METHODS: dict[str, Method] = {
     m.label: m
     for m in (
@@ -76,12 +111,23 @@ METHODS: dict[str, Method] = {
         Method("GRPO+AR", ar_alpha=AR_ALPHA),
         Method("GRPO+Lopti", lopti_eta=LOPTI_ETA),
         Method("GRPO+AR+Lopti", ar_alpha=AR_ALPHA, lopti_eta=LOPTI_ETA),
+        Method("GRPO+Forking", forking_rho=FORKING_RHO),
+        Method("GRPO+AR+Forking", ar_alpha=AR_ALPHA, forking_rho=FORKING_RHO),
+        Method("GRPO+EntAdv", entropy_adv_alpha=ENTROPY_ADV_ALPHA),
+        Method("GRPO+CISPO", loss="cispo"),
+        Method("GRPO+Lopti+CISPO", lopti_eta=LOPTI_ETA, loss="cispo"),
+        Method("GRPO+Clip-Cov", loss="clip_cov"),
+        Method("GRPO+KL-Cov", loss="kl_cov"),
     )
 }
-"""The paper's four variants, in the order of its tables."""
+"""The paper's four variants first, in the order of its tables, then the token-level methods after it
+(docs/methods.md) and the combinations of both that are defined."""
 
 ORDER: tuple[str, ...] = tuple(METHODS)
-"""Labels in table order: GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti."""
+"""Every label in table order (the paper's four first)."""
+
+PAPER: tuple[str, ...] = tuple(label for label, m in METHODS.items() if m.is_papers)
+"""The paper's four: GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti (the demo's default)."""
 
 
 def method_label(config: Mapping | object) -> str:
@@ -100,7 +146,11 @@ def method_label(config: Mapping | object) -> str:
         label += "+AR"
     if cfg.get("lopti_eta"):
         label += "+Lopti" + ("(high-first)" if cfg.get("lopti_order") == "high_first" else "")
-    return label
+    if cfg.get("forking_rho") is not None and cfg["forking_rho"] < 1:
+        label += "+Forking"
+    if cfg.get("entropy_adv_alpha"):
+        label += "+EntAdv"
+    return label + LOSS_LABELS.get(cfg.get("loss", "ppo"), f"+{cfg.get('loss')}")
 
 
 def method_of(label: str) -> Method:

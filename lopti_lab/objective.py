@@ -18,6 +18,7 @@ import torch
 
 __all__ = [
     "group_advantages",
+    "kl_penalty",
     "lopti_stages",
     "masked_mean",
     "policy_loss",
@@ -153,9 +154,7 @@ def policy_loss(
         pg_loss = torch.where(advantages < 0, torch.min(pg_loss, -dual_clip * advantages), pg_loss)
     per_token_kl = torch.zeros_like(logp)
     if ref_logp is not None and kl_coef != 0.0:
-        # k3 estimator of KL(pi || pi_ref), unbiased and non-negative: http://joschu.net/blog/kl-approx.html
-        ref_log_ratio = ref_logp - logp
-        per_token_kl = torch.clamp(torch.exp(ref_log_ratio) - ref_log_ratio - 1.0, max=10.0)
+        per_token_kl = kl_penalty(logp, ref_logp)
     per_token_loss = pg_loss + kl_coef * per_token_kl
     loss = masked_mean(per_token_loss, mask, denom)
 
@@ -169,6 +168,14 @@ def policy_loss(
             "tokens": mask.sum(),
         }
     return loss, stats
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """The per-token k3 estimate of KL(pi || pi_ref), exp(r) - r - 1 with r = ref_logp - logp, clamped at 10 (verl's
+    "low_var_kl"): unbiased and non-negative (http://joschu.net/blog/kl-approx.html). Example: r = 0 gives 0; r = 1
+    gives e - 2 = 0.718. (B, T) -> (B, T)."""
+    ref_log_ratio = ref_logp - logp
+    return torch.clamp(torch.exp(ref_log_ratio) - ref_log_ratio - 1.0, max=10.0)
 
 
 class _TokenLogprobs(torch.autograd.Function):

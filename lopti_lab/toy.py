@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 
 from lopti_lab.bins import DEFAULT_BINS, bin_index, bin_labels, check_bins
-from lopti_lab.methods import METHODS, Method
+from lopti_lab.methods import METHODS, PAPER, Method
 from lopti_lab.objective import group_advantages, lopti_stages, policy_loss, reweight_advantages
 from lopti_lab.probes.shift import shift_summary
 
@@ -277,7 +277,9 @@ def _run(config: ToyConfig, method: Method) -> dict[str, pd.DataFrame]:
     return {"steps": steps_frame, "bins": bins_frame, "tokens": tokens}
 
 
-def simulate(config: ToyConfig | None = None, methods: Sequence[Method] = tuple(METHODS.values())) -> ToyResult:
+def simulate(
+    config: ToyConfig | None = None, methods: Sequence[Method] = tuple(METHODS[m] for m in PAPER)
+) -> ToyResult:
     """Train the toy policy of `ToyConfig` with each method from the same seed and return tidy tables.
 
     Every method starts from the same world and the same first batch (the sampling generator is reseeded per method),
@@ -300,6 +302,9 @@ def simulate(config: ToyConfig | None = None, methods: Sequence[Method] = tuple(
     """
     config = config or ToyConfig()
     names = [m.label for m in methods]
+    others = [m.label for m in methods if not m.is_papers]
+    if others:
+        raise ValueError(f"the toy trains the paper's methods (AR and Lopti on the clipped loss), not {others}")
     if not names:
         raise ValueError("methods must name at least one Method")
     if len(set(names)) != len(names):

@@ -26,10 +26,12 @@ from lopti_lab.methods import method_label
 from lopti_lab.models import DEFAULT_LORA_TARGETS, PROMPT_STYLE_KEY, LoraSpec, check_model_name, prompt_style_of
 from lopti_lab.rollout import FAST_PATHS
 
-__all__ = ["OPTIMIZERS", "RESUMABLE_CHANGES", "TrainConfig"]
+__all__ = ["LOSSES", "OPTIMIZERS", "RESUMABLE_CHANGES", "TrainConfig"]
 
 OPTIMIZERS = ("adamw", "sgd")
 """``TrainConfig.optimizer`` choices."""
+LOSSES = ("ppo", "cispo", "clip_cov", "kl_cov")
+"""``TrainConfig.loss`` choices: the paper's clipped loss and the token-level losses after it (token_credit)."""
 
 RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "progress", "run_dir", "max_nonfinite_steps")
 """The fields a resumed run may change (everything else must match the saved config)."""
@@ -139,6 +141,29 @@ class TrainConfig:
     lopti_order: str = "low_first"
     """"low_first" (Lopti) or "high_first" (the paper's ablation, which collapses)"""
 
+    # --- the token-level methods after the paper (lopti_lab.token_credit; docs/methods.md) ---
+    loss: str = "ppo"
+    """the policy loss: "ppo" (GRPO's clipped surrogate with the dual clip, the paper's), "cispo" (CISPO: the
+    importance weight clipped and detached, every token keeps its gradient), "clip_cov" (Clip-Cov: a small share of
+    high-covariance tokens' gradient dropped) or "kl_cov" (KL-Cov: |log pi - log pi_old| on the top share by
+    covariance); the dual clip applies to "ppo" only"""
+    cispo_eps_max: float = 5.0
+    """CISPO's cap on the importance weight (MiniMax-M1: 5; TRL's epsilon_high)"""
+    cov_share: float = 0.002
+    """Clip-Cov / KL-Cov: share of the minibatch's response tokens they act on (verl's 2e-4 picks a single token of
+    a lab-sized batch: the lab's default is ten times that)"""
+    clip_cov_band: tuple[float, float] = (1.0, 5.0)
+    """Clip-Cov: the covariance band its tokens are drawn from (verl: 1 to 5)"""
+    kl_cov_coef: float = 1.0
+    """KL-Cov: the coefficient of its |log pi - log pi_old| penalty (verl: 1.0 unless its config sets ppo_kl_coef)"""
+    forking_rho: float | None = None
+    """forking tokens: only the share rho of the step's response tokens with the highest entropy carry the gradient
+    (Wang et al. 2025: 0.2); None = off"""
+    entropy_adv_alpha: float | None = None
+    """entropy-shaped advantage: A + min(alpha * H, |A| / kappa) per token (Cheng et al. 2025); None = off"""
+    entropy_adv_kappa: float = 2.0
+    """the entropy bonus's cap: at most |A| / kappa (kappa > 1, so an advantage never changes sign)"""
+
     # --- schedule, evaluation, probes, output ---
     steps: int = 100
     """RL steps to train"""
@@ -172,7 +197,15 @@ class TrainConfig:
     """show a tqdm progress bar"""
 
     def __post_init__(self):
-        for name in ("lora_targets", "train_people", "eval_people", "betas", "eval_modes", "probe_bins"):
+        for name in (
+            "lora_targets",
+            "train_people",
+            "eval_people",
+            "betas",
+            "eval_modes",
+            "probe_bins",
+            "clip_cov_band",
+        ):
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):  # JSON gives lists; keep tuples so configs compare equal
                 setattr(self, name, tuple(value))
@@ -297,6 +330,21 @@ def _validate(c: TrainConfig) -> None:
     # Lopti stage 1 holds the tokens with pi_old < eta: eta <= 0 empties it, eta >= 1 empties stage 2 (docs/paper.md §4)
     check.real("lopti_eta", 0.0, 1.0, low_open=True, high_open=True, optional=True)
     check.choice("lopti_order", ("low_first", "high_first"))
+    # --- the token-level methods after the paper
+    check.choice("loss", LOSSES)
+    check.real("cispo_eps_max", low=1.0, low_open=True)
+    check.real("cov_share", 0.0, 1.0, low_open=True)
+    check.items("clip_cov_band", is_real, "two numbers")
+    band = c.clip_cov_band
+    check.need(len(band) == 2 and band[0] < band[1], "clip_cov_band", "must be two numbers (low, high), low < high")
+    check.real("kl_cov_coef", low=0.0)
+    check.real("forking_rho", 0.0, 1.0, low_open=True, optional=True)
+    check.real("entropy_adv_alpha", low=0.0, low_open=True, optional=True)
+    check.real("entropy_adv_kappa", low=1.0, low_open=True)
+    # Cui et al.'s covariance is the batch's: inside a Lopti stage (only low, or only high, tokens) it would be a
+    # different population's, so the two are not combined
+    split = f"{c.loss!r} measures each token's covariance over the minibatch, which a Lopti stage splits: use one"
+    check.need(c.loss not in ("clip_cov", "kl_cov") or c.lopti_eta is None, "loss", split)
     # --- schedule, evaluation, probes, output
     check.integer("steps", low=1)
     check.integer("seed", 0, 2**32 - 1)  # numpy's seed range

@@ -23,7 +23,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,187 +38,30 @@ from lopti_lab.evaluate import evaluate, score_rollout
 from lopti_lab.kk import Puzzle, build_prompt, load_split
 from lopti_lab.methods import run_name
 from lopti_lab.models import Reference, load_policy
-from lopti_lab.objective import group_advantages, lopti_stages, masked_mean, policy_loss, reweight_advantages
+from lopti_lab.objective import (
+    group_advantages,
+    masked_mean,
+)
 from lopti_lab.probes import GradientProbe, fig3_metrics, positive_rows, probability_shift, update_logprobs
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.resume import repair_for_resume, resume_point
-from lopti_lab.rollout import Rollout, add_logprobs, response_logprobs, sample, use_lean
+from lopti_lab.rollout import Rollout, add_logprobs, sample, use_lean
 from lopti_lab.train_config import TrainConfig
+from lopti_lab.update import advantages_and_stages, build_optimizer, update_policy, uses_entropy
 
 __all__ = [
     "NonFiniteError",
     "TrainResult",
-    "advantages_and_stages",
-    "build_optimizer",
     "learning_rate",
     "load_trained",
     "train",
     "train_step",
-    "update_policy",
 ]
 
 Callback = Callable[[dict], Any]  # gets each step's metrics; a truthy return asks training to stop after the step
 
 
 # --- one RL step ------------------------------------------------------------------------------------------------------
-
-
-def _schedule(stages, n_rows: int, minibatch: int, epochs: int) -> Iterator[tuple[str, torch.Tensor, slice]]:
-    """The update order: every minibatch of stage 1 (Lopti: low tokens), then every minibatch of stage 2.
-
-    A minibatch with no token in the stage still takes its optimizer step (zero gradient, but AdamW's momentum and
-    weight decay move the weights), as the paper's code does, so Lopti always takes twice GRPO's steps."""
-    for name, stage_mask in stages:
-        for _ in range(epochs):
-            for start in range(0, n_rows, minibatch):
-                yield name, stage_mask, slice(start, start + minibatch)
-
-
-def _probe_tokens(probe: GradientProbe | None, rollout: Rollout, rows: slice) -> Callable[[int], None] | None:
-    """Tell the probe, before each forward, the rollout probabilities of the t response columns that forward keeps."""
-    if probe is None:
-        return None
-    return lambda t: probe.set_tokens(rollout.old_logp[rows, :t].exp(), rollout.response_mask[rows, :t])
-
-
-def _acting_rows(acting: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of a micro-batch that have a token with a gradient, acting (b, T) bool, and for each of them the
-    response mask cut after its last such token (k, T): the forward those tokens need (causal attention)."""
-    reach = acting.flip(1).cumsum(1).flip(1) > 0  # (b, T): up to and including the row's last acting token
-    rows = acting.any(1).nonzero()[:, 0]  # (k,)
-    return rows, (response_mask * reach)[rows]
-
-
-def update_policy(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    rollout: Rollout,
-    advantages: torch.Tensor,
-    stages: Sequence[tuple[str, torch.Tensor]],
-    config: TrainConfig,
-    probe: GradientProbe | None = None,
-) -> dict[str, float]:
-    """All optimizer steps of one RL step; returns the update's metrics.
-
-    advantages: (B, T) per token (AR already applied); stages: [(name, mask (B, T))], [("all", response_mask)] for
-    GRPO. Each minibatch's loss is a token mean with the minibatch's full response-token count as denominator, also
-    inside a Lopti stage (the paper's code). A non-finite loss or gradient norm skips that optimizer step, zeroes
-    the gradients and ends the step's updates (``skipped/nonfinite`` = 1). An attached ``probe`` gets each
-    micro-batch's rollout probabilities before its forward and records the per-bin gradients of its backward.
-
-    Only the stage's tokens with a nonzero advantage (every stage token when a KL term acts) have a gradient: the
-    diagnostics (approx_kl, clip fractions, kl) are means over those, and, when pi_old is given and no probe is
-    attached, the forwards skip the rest (``_acting_rows``): a group whose rewards are all equal is not run at all,
-    and each row stops at its last such token. The gradient is the same sum, less its exact zeros.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    micro = config.micro_batch_size or config.minibatch_size
-    on_policy = rollout.old_logp is None  # pi_old comes from the update's own forward: one optimizer step only
-    if on_policy and (len(stages) > 1 or config.optimizer_steps_per_stage > 1):
-        raise ValueError("rollout.old_logp is required when the update takes more than one optimizer step")
-    input_ids, attention_mask = rollout.input_ids, rollout.attention_mask  # (B, P + T)
-    keys = ("approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl", "tokens", "loss", "entropy")
-    sums = {key: torch.zeros((), device=input_ids.device) for key in keys}
-    grad_norms, n_steps, nonfinite = [], 0, False
-    with_kl = rollout.ref_logp is not None and config.kl_coef != 0.0
-    trim = not on_policy and probe is None  # on-policy: every row's forward is pi_old and its entropy
-    model.train()
-    try:
-        for _name, stage_mask, rows in _schedule(stages, len(rollout), config.minibatch_size, config.ppo_epochs):
-            denom = rollout.response_mask[rows].sum()  # all response tokens of the minibatch, whatever the stage
-            optimizer.zero_grad(set_to_none=True)
-            minibatch_loss, ran = torch.zeros((), device=input_ids.device), False
-            for start in range(rows.start, rows.stop, micro):
-                m = slice(start, start + micro)
-                acting = stage_mask[m].bool() if with_kl else stage_mask[m].bool() & (advantages[m] != 0)  # (b, T)
-                r, reach = m, rollout.response_mask[m]  # the rows run and their response columns
-                if trim:
-                    kept, reach = _acting_rows(acting, reach)
-                    if len(kept) == 0:
-                        continue  # no token of this micro-batch has a gradient
-                    r, acting = kept + start, acting[kept]
-                logp, entropy = response_logprobs(
-                    model,
-                    input_ids[r],
-                    attention_mask[r],
-                    reach,
-                    config.temperature,
-                    with_entropy=on_policy,
-                    before_forward=_probe_tokens(probe, rollout, m),
-                    fast_path=config.fast_path,
-                )  # (b, T)
-                if on_policy:  # the weights are still the rollout's: this forward IS pi_old, exactly
-                    sums["entropy"] += (entropy * rollout.response_mask[m]).sum()
-                loss, stats = policy_loss(
-                    logp,
-                    logp.detach() if on_policy else rollout.old_logp[r],
-                    advantages[r],
-                    acting,
-                    clip_low=config.clip_low,
-                    clip_high=config.clip_high,
-                    dual_clip=config.dual_clip,
-                    ref_logp=None if rollout.ref_logp is None else rollout.ref_logp[r],
-                    kl_coef=config.kl_coef,
-                    denom=denom,
-                )
-                loss.backward()
-                ran = True
-                minibatch_loss += loss.detach()
-                for key in ("approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl"):
-                    sums[key] += stats[key] * stats["tokens"]
-                sums["tokens"] += stats["tokens"]
-            if not ran:  # every forward skipped: the step is still taken, on the zero gradient a backward gives
-                for p in params:
-                    p.grad = torch.zeros_like(p)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip or math.inf)
-            if not (torch.isfinite(minibatch_loss) and torch.isfinite(grad_norm)):
-                optimizer.zero_grad(set_to_none=True)
-                nonfinite = True
-                break
-            optimizer.step()
-            n_steps += 1
-            grad_norms.append(grad_norm.detach())
-            sums["loss"] += minibatch_loss
-    finally:
-        optimizer.zero_grad(set_to_none=True)
-        model.eval()
-    n_minibatches = config.optimizer_steps_per_stage
-    tokens = max(sums["tokens"].item(), 1.0)
-    return {
-        "policy/approx_kl": sums["approx_kl"].item() / tokens,
-        "policy/clip_frac_low": sums["clip_frac_low"].item() / tokens,
-        "policy/clip_frac_high": sums["clip_frac_high"].item() / tokens,
-        "policy/dual_clip_frac": sums["dual_clip_frac"].item() / tokens,
-        "policy/kl": sums["kl"].item() / tokens,
-        "loss/policy": sums["loss"].item() / n_minibatches,  # Lopti: its two stages add up to one loss
-        "grad/norm": torch.stack(grad_norms).mean().item() if grad_norms else math.nan,
-        "update/optimizer_steps": float(n_steps),
-        "skipped/nonfinite": float(nonfinite),
-        **({"policy/entropy": sums["entropy"].item() / rollout.response_mask.sum().item()} if on_policy else {}),
-    }
-
-
-def advantages_and_stages(
-    rollout: Rollout, advantages: torch.Tensor, config: TrainConfig
-) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]], dict[str, float]]:
-    """Per-token advantages (B, T) with AR applied, the update stages [(name, mask (B, T))] and their metrics.
-
-    AR (docs/paper.md §3) weights each token once per step, and every stage and minibatch uses those weights; Lopti
-    (§4) gives [("low", ...), ("high", ...)] in ``config.lopti_order``, GRPO [("all", response_mask)]. Both read
-    ``rollout.old_logp``; advantages: (B,) per sequence.
-    """
-    mask = rollout.response_mask  # (B, T)
-    token_adv = advantages[:, None].expand_as(mask)  # (B, T)
-    metrics: dict[str, float] = {}
-    if config.ar_alpha is not None:  # AR, Eq. 4
-        alpha = config.ar_alpha
-        token_adv = reweight_advantages(advantages, rollout.old_logp, alpha)  # (B, T)
-        metrics["ar/weight_mean"] = masked_mean(alpha * rollout.old_logp.exp() + 1 - alpha, mask).item()
-    if config.lopti_eta is None:
-        return token_adv, [("all", mask)], metrics
-    stages = lopti_stages(rollout.old_logp, mask, config.lopti_eta, config.lopti_order)  # stage 1 low, stage 2 high
-    metrics["lopti/low_share"] = (dict(stages)["low"].sum() / mask.sum()).item()
-    return token_adv, stages, metrics
 
 
 def train_step(
@@ -240,7 +83,7 @@ def train_step(
     # needs it from the weights before the first. Plain GRPO with one optimizer step per rollout gets it exactly from
     # its update forward instead (weights unchanged until the step), which saves a forward pass, as TRL does.
     needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or measure_shift
-    needs_old = needs_old or cfg.optimizer_steps_per_stage > 1
+    needs_old = needs_old or cfg.optimizer_steps_per_stage > 1 or uses_entropy(cfg)
     # The lean decoder's sampling logits give pi_old for free: the rollout policy at the sampling temperature, which
     # is what the ratio's denominator is (docs/paper.md §2), equal to a forward's log-probs to float32 rounding
     # (tests/test_decode.py). A probe step too: its probability shift compares two float64 forwards of its own
@@ -537,18 +380,6 @@ def _nonfinite_message(cfg: TrainConfig, step: int, streak: int) -> str:
         f"are those of step {step - streak}. Usual causes: a learning rate too high for the dtype, or float16 "
         f"overflow. The run is saved at step {step} in {cfg.run_dir}; `lopti-lab train --run-dir {cfg.run_dir} "
         "--resume` continues it."
-    )
-
-
-def build_optimizer(params: Sequence[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """``cfg.optimizer`` over ``params``: AdamW (fused on a GPU) with its betas and epsilon, or SGD without momentum
-    (the paper's Fig. 1 / Fig. 3 optimizer); both at ``cfg.lr`` with ``cfg.weight_decay``."""
-    params = list(params)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.0, weight_decay=cfg.weight_decay)
-    fused = params[0].is_cuda
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, fused=fused
     )
 
 

@@ -31,7 +31,7 @@ from IPython.display import display
 
 from lopti_lab import plots, runs
 from lopti_lab.demo.mechanism import OPTIMIZER_SETTINGS, decomposition
-from lopti_lab.methods import METHODS, ORDER, method_label, run_name
+from lopti_lab.methods import METHODS, PAPER, method_label, run_name
 from lopti_lab.notebook import Environment, setup, training_defaults
 from lopti_lab.theory import grad_norm_bounds, logit_grad_norm
 from lopti_lab.toy import ToyConfig, simulate
@@ -122,7 +122,7 @@ class ToyPanel(_Panel):
 
     def __init__(self, steps: int = 30, seed: int = 0):
         defaults = ToyConfig()
-        self.methods = {name: W.Checkbox(value=True, description=name, indent=False) for name in ORDER}
+        self.methods = {name: W.Checkbox(value=True, description=name, indent=False) for name in PAPER}
         self.alpha = W.FloatSlider(value=0.3, min=0.0, max=1.0, step=0.05, description="AR alpha")
         self.eta = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="Lopti eta")
         self.optimizer = W.ToggleButtons(options=["adam", "sgd"], value=defaults.optimizer, description="optimizer")

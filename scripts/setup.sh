@@ -14,6 +14,10 @@ PYTHON="${PYTHON:-python3}"
 # torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on a CPU-only machine.
 .venv/bin/python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 .venv/bin/python -m pip install --quiet -e ".[${EXTRAS:-test,trl}]"
+# verl's own code, which tests/test_token_credit.py runs beside ours (verl itself cannot be installed next to
+# transformers 5: only its wheel is kept, unpacked by the test)
+[ -n "$(ls .venv/reference/verl-0.9.1-*.whl 2>/dev/null)" ] || .venv/bin/python -m pip download --quiet --no-deps \
+  -d .venv/reference verl==0.9.1 || echo "setup.sh: could not download verl's wheel; tests/test_token_credit.py will skip its verl parity" >&2
 # The browser tests (tests/test_browser.py) drive the system's Chromium through Playwright, which never downloads
 # one. Debian's package is installed here when this runs as root; elsewhere, install it with your package manager.
 if [ "${LOPTI_LAB_NO_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then

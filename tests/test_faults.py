@@ -126,8 +126,10 @@ def test_a_full_disk_at_every_write_stops_cleanly_and_resumes_to_the_straight_ru
     # rename needs no space at all (only the last ones can then finish the run)
     immediate = sum(at == k for k, at in zip(sorted(set(range(1, writes + 1)) - set(completed)), failed_at))
     assert immediate >= 0.6 * writes and len(completed) <= 3, (failed_at, completed)
-    print(f"full disk at each of {writes} writes: {len(failed_at)} stopped the run ({immediate} at the write "
-          f"itself), {len(completed)} needed no space; every resume equal to the straight run")
+    print(
+        f"full disk at each of {writes} writes: {len(failed_at)} stopped the run ({immediate} at the write "
+        f"itself), {len(completed)} needed no space; every resume equal to the straight run"
+    )
 
 
 def test_a_failed_append_leaves_the_file_as_it_was(small_disk):

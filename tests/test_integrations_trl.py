@@ -32,7 +32,7 @@ from lopti_lab.kk import generate_puzzle, score_response  # noqa: E402
 from lopti_lab.objective import lopti_stages, policy_loss, reweight_advantages  # noqa: E402
 from lopti_lab.rollout import Rollout, response_logprobs  # noqa: E402
 from lopti_lab.train_config import TrainConfig  # noqa: E402
-from lopti_lab.trainer import advantages_and_stages, update_policy  # noqa: E402
+from lopti_lab.update import advantages_and_stages, update_policy  # noqa: E402
 
 ETA = 0.5
 

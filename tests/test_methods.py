@@ -2,14 +2,26 @@
 
 import pytest
 
-from lopti_lab.methods import AR_ALPHA, LOPTI_ETA, METHODS, ORDER, Method, method_label, method_of, run_name, slug
+from lopti_lab.methods import (
+    AR_ALPHA,
+    LOPTI_ETA,
+    METHODS,
+    ORDER,
+    PAPER,
+    Method,
+    method_label,
+    method_of,
+    run_name,
+    slug,
+)
 from lopti_lab.train_config import TrainConfig
 
 
-def test_the_papers_four_methods_in_table_order():
-    assert ORDER == ("GRPO", "GRPO+AR", "GRPO+Lopti", "GRPO+AR+Lopti")
+def test_the_papers_four_methods_in_table_order_then_the_ones_after_it():
+    assert PAPER == ("GRPO", "GRPO+AR", "GRPO+Lopti", "GRPO+AR+Lopti") == ORDER[:4]
     assert (AR_ALPHA, LOPTI_ETA) == (0.3, 0.5)  # the paper's K&K settings
-    assert [m.stages for m in METHODS.values()] == [1, 1, 2, 2]
+    assert [METHODS[m].stages for m in PAPER] == [1, 1, 2, 2]
+    assert {"GRPO+Forking", "GRPO+CISPO", "GRPO+Clip-Cov", "GRPO+KL-Cov", "GRPO+EntAdv"} <= set(ORDER)
 
 
 @pytest.mark.parametrize("label", ORDER)

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from lopti_lab.bins import DEFAULT_BINS
-from lopti_lab.methods import METHODS, Method
+from lopti_lab.methods import METHODS, PAPER, Method
 from lopti_lab.theory import grad_norm_bounds
 from lopti_lab.toy import ToyConfig, simulate
 
@@ -21,11 +21,11 @@ def toy():
 
 def test_toy_tables_are_tidy_and_complete(toy):
     n_tokens = QUICK.n_prompts * QUICK.group_size * QUICK.seq_len
-    assert len(toy.steps) == QUICK.steps * len(METHODS)
-    assert set(toy.steps["method"]) == set(METHODS)
-    assert len(toy.bins) == QUICK.steps * len(METHODS) * 4
-    assert len(toy.shift) == QUICK.steps * len(METHODS) * 4 * 2
-    assert len(toy.tokens) == QUICK.steps * len(METHODS) * n_tokens
+    assert len(toy.steps) == QUICK.steps * len(PAPER)
+    assert set(toy.steps["method"]) == set(PAPER)
+    assert len(toy.bins) == QUICK.steps * len(PAPER) * 4
+    assert len(toy.shift) == QUICK.steps * len(PAPER) * 4 * 2
+    assert len(toy.tokens) == QUICK.steps * len(PAPER) * n_tokens
     assert (toy.bins.groupby(["step", "method"])["n_tokens"].sum() == n_tokens).all()
     np.testing.assert_allclose(toy.bins.groupby(["step", "method"])["grad_share"].sum(), 1.0, atol=1e-5)
     assert toy.tokens[["prob", "grad_norm", "p_new", "delta_p"]].notna().all().all()
@@ -80,6 +80,8 @@ def test_toy_is_seeded_and_validates_its_config():
         ToyConfig(bins=(0, 0.6, 0.3, 1))
     with pytest.raises(ValueError, match="ar_alpha"):
         Method("AR", ar_alpha=1.5)
+    with pytest.raises(ValueError, match="the toy trains the paper's methods"):
+        simulate(QUICK, methods=[METHODS["GRPO+CISPO"]])
     with pytest.raises(ValueError, match="unique"):
         simulate(QUICK, methods=[Method("GRPO"), Method("GRPO")])
     assert QUICK.bins == DEFAULT_BINS

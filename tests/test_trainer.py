@@ -15,20 +15,18 @@ import torch
 from tiny import fake_score, tiny_qwen2, tiny_tokenizer
 
 import lopti_lab.trainer as trainer
+import lopti_lab.update as update
 from lopti_lab import evaluate as evaluation
 from lopti_lab import runs
 from lopti_lab.evaluate import evaluate
 from lopti_lab.kk import Reward, build_prompt, load_split
+from lopti_lab.methods import METHODS, ORDER
 from lopti_lab.models import LoraSpec, load_policy, trainable_state_dict
 from lopti_lab.train_config import TrainConfig
-from lopti_lab.trainer import train, train_step, update_policy
+from lopti_lab.trainer import train, train_step
+from lopti_lab.update import update_policy
 
-VARIANTS = {
-    "GRPO": {},
-    "GRPO+AR": {"ar_alpha": 0.3},
-    "GRPO+Lopti": {"lopti_eta": 0.5},
-    "GRPO+AR+Lopti": {"ar_alpha": 0.3, "lopti_eta": 0.5},
-}
+VARIANTS = {label: METHODS[label].overrides() for label in ORDER}  # the paper's four and the methods after it
 REQUIRED = [
     "step", "reward/mean", "reward/std", "acc/all", "format/error_rate", "len/response_mean", "groups/zero_var_share",
     "policy/entropy", "policy/approx_kl", "policy/clip_frac_low", "policy/clip_frac_high", "policy/kl", "loss/policy",
@@ -93,6 +91,8 @@ def test_two_steps_train_the_adapter_only(config, model_dir, method):
     assert "eval/greedy/acc_3ppl" in result.history[-1] and "eval/greedy/acc_all" in result.history[-1]
     assert ("ar/weight_mean" in result.history[0]) == bool(cfg.ar_alpha)
     assert ("lopti/low_share" in result.history[0]) == bool(cfg.lopti_eta)
+    assert ("forking/share" in result.history[0]) == (cfg.forking_rho is not None)
+    assert ("entadv/bonus_mean" in result.history[0]) == (cfg.entropy_adv_alpha is not None)
 
     run = result.run_dir
     assert json.loads((run / "config.json").read_text()) == cfg.to_dict()
@@ -110,7 +110,7 @@ def test_lopti_updates_all_low_minibatches_then_all_high(config, monkeypatch, or
     """Spies: the stage masks that reach policy_loss, the old_logp they see, and optimizer.step calls. Each call
     gets the stage's tokens with a nonzero advantage, on the rows that have one (the update skips the rest)."""
     stage_masks, calls, steps, seen = {}, [], [], {}
-    real_stages, real_loss, real_step = trainer.lopti_stages, trainer.policy_loss, torch.optim.AdamW.step
+    real_stages, real_loss, real_step = update.lopti_stages, update.policy_loss, torch.optim.AdamW.step
     real_split = trainer.advantages_and_stages
     n_reweight = []
 
@@ -135,12 +135,12 @@ def test_lopti_updates_all_low_minibatches_then_all_high(config, monkeypatch, or
         n_reweight.append(1)
         return trainer_reweight(*args)
 
-    trainer_reweight = trainer.reweight_advantages
-    monkeypatch.setattr(trainer, "lopti_stages", spy_stages)
+    trainer_reweight = update.reweight_advantages
+    monkeypatch.setattr(update, "lopti_stages", spy_stages)
     monkeypatch.setattr(trainer, "advantages_and_stages", spy_split)
-    monkeypatch.setattr(trainer, "policy_loss", spy_loss)
+    monkeypatch.setattr(update, "policy_loss", spy_loss)
     monkeypatch.setattr(torch.optim.AdamW, "step", spy_step)
-    monkeypatch.setattr(trainer, "reweight_advantages", spy_reweight)
+    monkeypatch.setattr(update, "reweight_advantages", spy_reweight)
     # eta near the random tiny model's median token probability (about 1 / 300), so both stages get tokens
     cfg = replace(config, ar_alpha=0.3, lopti_eta=0.003, lopti_order=order, steps=1, eval_people=())
     result = train(cfg)
@@ -190,7 +190,7 @@ def test_resume_reproduces_a_straight_run(config, tmp_path, optimizer):
 def test_sgd_is_plain_sgd_without_momentum():
     """optimizer="sgd": each step moves a weight by lr x (its gradient + weight_decay x weight) and nothing else, no
     momentum from the step before (the paper's Fig. 1 / Fig. 3 optimizer); AdamW-only settings are refused by name."""
-    from lopti_lab.trainer import build_optimizer
+    from lopti_lab.update import build_optimizer
 
     weight = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
     cfg = TrainConfig(optimizer="sgd", lr=0.1, weight_decay=0.01)
@@ -209,6 +209,24 @@ def test_sgd_is_plain_sgd_without_momentum():
         TrainConfig(optimizer="lion")
 
 
+@pytest.mark.parametrize("method", ["GRPO+Forking", "GRPO+CISPO", "GRPO+Clip-Cov", "GRPO+KL-Cov", "GRPO+EntAdv"])
+def test_each_method_after_the_paper_runs_its_own_function(config, monkeypatch, method):
+    """The trainer's update reaches the method's own function in token_credit (no copy in the trainer), once per
+    step for the step-wide ones (forking mask, entropy advantage) and once per micro-batch for the losses."""
+    from lopti_lab import token_credit
+
+    fn = {"GRPO+Forking": "forking_mask", "GRPO+CISPO": "cispo_loss", "GRPO+Clip-Cov": "clip_cov_loss",
+          "GRPO+KL-Cov": "kl_cov_loss", "GRPO+EntAdv": "entropy_advantage"}[method]  # fmt: skip
+    calls = []
+    real = getattr(token_credit, fn)
+    monkeypatch.setattr(update, fn, lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = replace(config, **METHODS[method].overrides(), steps=1, eval_people=())
+    metrics = train(cfg).history[0]
+    per_step = fn in ("forking_mask", "entropy_advantage")
+    acting = metrics["groups/zero_var_share"] < 1.0  # a step whose groups all tie updates nothing
+    assert len(calls) == (1 if per_step else 2 * acting), (method, calls)
+
+
 def test_resume_cuts_metrics_back_to_the_checkpoint(config):
     cfg = replace(config, steps=3, save_every=1)
     train(replace(cfg, steps=2))
@@ -222,13 +240,13 @@ def test_resume_cuts_metrics_back_to_the_checkpoint(config):
 
 
 def test_nonfinite_loss_skips_the_step_and_leaves_weights(config, monkeypatch):
-    real_loss = trainer.policy_loss
+    real_loss = update.policy_loss
 
     def nan_loss(*args, **kwargs):
         loss, stats = real_loss(*args, **kwargs)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(trainer, "policy_loss", nan_loss)
+    monkeypatch.setattr(update, "policy_loss", nan_loss)
     torch.manual_seed(0)
     model, tokenizer = load_policy(config.model, LoraSpec(r=4), device="cpu")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1.0)
@@ -407,7 +425,7 @@ def test_single_step_grpo_reuses_its_update_forward_as_pi_old(config, tmp_path, 
     arithmetic twice), to float32 rounding of the logits on the lean path (|log ratio| < 1e-5)."""
     cfg = replace(config, steps=2, minibatch_size=8, eval_people=(), kl_coef=0.0, fast_path=fast_path)
     calls, log_ratios = [], []
-    real, real_loss = trainer.add_logprobs, trainer.policy_loss
+    real, real_loss = trainer.add_logprobs, update.policy_loss
 
     def spy_loss(logp, old_logp, *args, **kwargs):
         log_ratios.append((logp.detach() - old_logp).abs().max().item())
@@ -415,7 +433,7 @@ def test_single_step_grpo_reuses_its_update_forward_as_pi_old(config, tmp_path, 
 
     monkeypatch.setattr(trainer, "add_logprobs", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
     fast = train(replace(cfg, run_dir=str(tmp_path / "fast")))
-    monkeypatch.setattr(trainer, "policy_loss", spy_loss)
+    monkeypatch.setattr(update, "policy_loss", spy_loss)
     slow = train(replace(cfg, run_dir=str(tmp_path / "slow"), ar_alpha=0.0))
     assert calls == ([False, False, True, True] if fast_path == "hf" else [False] * 4)
     assert len(log_ratios) == 2 and max(log_ratios) <= (0.0 if fast_path == "hf" else 1e-5)
@@ -570,20 +588,20 @@ def test_update_runs_only_rows_with_a_gradient_and_moves_weights_as_the_full_upd
         for rows in (slice(0, 8), slice(8, 16)):
             sgd.zero_grad()
             logp = naive_logp(naive, ids[rows], mask[rows])
-            loss, _ = trainer.policy_loss(
+            loss, _ = update.policy_loss(
                 logp, old_logp[rows], token_adv[rows], stage[rows], clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                 dual_clip=cfg.dual_clip, denom=response_mask[rows].sum(),
             )  # fmt: skip
             loss.backward()
             sgd.step()
 
-    forwarded, real_forward = [], trainer.response_logprobs
+    forwarded, real_forward = [], update.response_logprobs
 
     def counting_forward(model, input_ids, *args, **kwargs):
         forwarded.append(len(input_ids))
         return real_forward(model, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "response_logprobs", counting_forward)
+    monkeypatch.setattr(update, "response_logprobs", counting_forward)
     finished = torch.ones(B, dtype=torch.bool)
     rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, [""] * B, group, finished, old_logp)
     metrics = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.5), rollout, token_adv, stages, cfg)

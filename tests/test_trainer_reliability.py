@@ -13,6 +13,7 @@ import torch
 from test_trainer import config  # noqa: F401 (the fixture)
 
 import lopti_lab.trainer as trainer
+import lopti_lab.update as update
 from lopti_lab import runs
 from lopti_lab.kk import load_split
 from lopti_lab.models import LoraSpec, load_policy, trainable_state_dict
@@ -55,9 +56,9 @@ def test_nonfinite_step_leaves_weights_and_optimizer_state_unchanged(config, mon
     assert good["skipped/nonfinite"] == 0 and good["update/optimizer_steps"] == 2 and optimizer.state
     weights, state = trainable_state_dict(model), copy.deepcopy(optimizer.state_dict())
 
-    real_loss, hook = trainer.policy_loss, None
+    real_loss, hook = update.policy_loss, None
     if where == "loss":
-        monkeypatch.setattr(trainer, "policy_loss", _nan_loss(real_loss))
+        monkeypatch.setattr(update, "policy_loss", _nan_loss(real_loss))
     else:
         lora_b = next(p for n, p in model.named_parameters() if "lora_B" in n)
         hook = lora_b.register_hook(lambda grad: torch.full_like(grad, math.inf))
@@ -69,7 +70,7 @@ def test_nonfinite_step_leaves_weights_and_optimizer_state_unchanged(config, mon
     assert all(torch.equal(weights[n], p) for n, p in trainable_state_dict(model).items())
     assert _same_state(state, optimizer.state_dict())
     assert all(p.grad is None for p in model.parameters())
-    monkeypatch.setattr(trainer, "policy_loss", real_loss)
+    monkeypatch.setattr(update, "policy_loss", real_loss)
     again = train_step(model, tokenizer, optimizer, puzzles, config)  # the next finite step updates as usual
     assert again["skipped/nonfinite"] == 0 and not _same_state(state, optimizer.state_dict())
 
@@ -78,13 +79,13 @@ def test_k_nonfinite_steps_in_a_row_stop_the_run_which_can_resume(config, monkey
     """From step 2 on every loss is NaN; with max_nonfinite_steps=2 the run stops after step 3 with a message,
     saved at step 3 with the weights of step 1; once the cause is gone, the run resumes to the end."""
     cfg = replace(config, steps=5, max_nonfinite_steps=2, eval_people=())
-    real = trainer.policy_loss
+    real = update.policy_loss
     after_step_1 = {}
 
     def poison_after_step_1(metrics):
         if metrics["step"] == 1:
             after_step_1.update(trainable_state_dict(captured["model"]))
-            monkeypatch.setattr(trainer, "policy_loss", _nan_loss(real))
+            monkeypatch.setattr(update, "policy_loss", _nan_loss(real))
 
     captured = {}  # the run's model, to read its weights after step 1
     monkeypatch.setattr(trainer, "load_policy", _capturing(trainer.load_policy, captured))
@@ -96,7 +97,7 @@ def test_k_nonfinite_steps_in_a_row_stop_the_run_which_can_resume(config, monkey
     assert runs.latest_checkpoint(cfg.run_dir).name == "step_3"
     assert all(torch.equal(after_step_1[n], p) for n, p in trainable_state_dict(result.model).items())
 
-    monkeypatch.setattr(trainer, "policy_loss", real)
+    monkeypatch.setattr(update, "policy_loss", real)
     resumed = train(cfg, resume=True)
     assert [r["step"] for r in runs.load_metrics(resumed.run_dir)] == [1, 2, 3, 4, 5]
     assert [m["skipped/nonfinite"] for m in resumed.history[3:]] == [0, 0]
@@ -112,7 +113,7 @@ def _capturing(load, captured):
 
 
 def test_max_nonfinite_steps_zero_never_stops(config, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(trainer, "policy_loss", _nan_loss(trainer.policy_loss))
+    monkeypatch.setattr(update, "policy_loss", _nan_loss(update.policy_loss))
     result = train(replace(config, steps=3, max_nonfinite_steps=0, eval_people=()))
     assert [m["skipped/nonfinite"] for m in result.history] == [1, 1, 1] and not result.stopped
 

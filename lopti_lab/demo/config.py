@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from lopti_lab.checks import FieldCheck, rename_owner
 from lopti_lab.configs import from_dict
-from lopti_lab.methods import METHODS, ORDER, run_name
+from lopti_lab.methods import METHOD_FIELDS, METHODS, PAPER, run_name
 from lopti_lab.train_config import TrainConfig
 
 __all__ = ["DEMO_TRAIN", "PER_RUN", "QUICK_TRAIN", "DemoConfig", "StudyConfig", "demo_train"]
@@ -63,7 +63,7 @@ QUICK_TRAIN = {
 """What ``DemoConfig(quick=True)`` changes: every code path once, on the smallest batches that exercise it (tests,
 notebook QUICK), on the smallest people count only (the shortest traces)."""
 
-PER_RUN = ("seed", "run_dir", "ar_alpha", "lopti_eta", "lopti_order", "progress")
+PER_RUN = ("seed", "run_dir", "progress", *METHOD_FIELDS)
 """TrainConfig fields each run sets itself (its seed, folder and method): ``DemoConfig.train`` must leave them at
 their defaults."""
 
@@ -86,7 +86,7 @@ class StudyConfig:
     """report folder (created; runs/ inside holds each run folder)"""
     seeds: int = 1
     """seeds per method (> 1 gives 95% intervals over seeds)"""
-    methods: tuple[str, ...] = ORDER
+    methods: tuple[str, ...] = PAPER
     """the methods to train (lopti_lab.methods), each with every shared setting"""
     train: TrainConfig = field(default_factory=demo_train)
     """the settings every run shares (a dict of fields is read as changes to the study's defaults); each run sets its
