@@ -130,7 +130,6 @@ BAD = [
     ({"lopti_eta": 0.5, "loss_type": "bnpo"}, "loss_type"),
     ({"lopti_eta": 0.5, "importance_sampling_level": "sequence"}, "importance_sampling_level"),
     ({"lopti_eta": 0.5, "entropy_coef": 0.01}, "entropy_coef"),
-    ({"lopti_eta": 0.5, "top_entropy_quantile": 0.2}, "top_entropy_quantile"),
     ({"lopti_eta": 0.5, "max_steps": 3}, "max_steps"),  # 2 optimizer steps per RL step
     ({"lopti_eta": 0.5, "save_strategy": "steps", "save_steps": 3}, "save_steps"),
     ({"steps_per_generation": 3}, "minibatch_token_mean"),
@@ -184,6 +183,34 @@ def test_subclass_equals_stock_grpo_with_ar_and_lopti_off_or_alpha_zero(peaky_mo
     assert any(not torch.equal(before[n], after_stock[n]) for n in before)  # training moved the weights
     for name, value in after_stock.items():
         assert torch.equal(value, after_ours[name]), name
+
+
+@pytest.mark.parametrize("trl_method", [{"loss_type": "cispo"}, {"top_entropy_quantile": 0.2}])
+def test_trls_own_token_methods_are_unchanged_with_ours_off(peaky_model, dataset, tmp_path, trl_method):
+    """TRL's CISPO loss and its forking tokens (top_entropy_quantile) through the subclass with AR and Lopti off:
+    bit-identical to stock GRPOTrainer after 4 optimizer steps."""
+    stock = make(GRPOTrainer, GRPOConfig, peaky_model, dataset, tmp_path / "stock", max_steps=4, **trl_method)
+    stock.train()
+    ours = make(LoptiGRPOTrainer, LoptiGRPOConfig, peaky_model, dataset, tmp_path / "ours", max_steps=4, **trl_method)
+    ours.train()
+    assert all(torch.equal(a, b) for a, b in zip(params(stock).values(), params(ours).values()))
+
+
+def test_ar_and_lopti_train_with_trls_cispo_and_forking_tokens(peaky_model, dataset, tmp_path):
+    """AR + Lopti with loss_type="cispo" and top_entropy_quantile=0.2, accepted where they used to be refused: one RL
+    step takes both stages, and each stage's forking mask keeps only part of that stage's tokens."""
+    trainer = make(
+        LoptiGRPOTrainer, LoptiGRPOConfig, peaky_model, dataset, tmp_path, ar_alpha=0.3, lopti_eta=ETA,
+        loss_type="cispo", top_entropy_quantile=0.2, rl_steps=1,
+    )  # fmt: skip
+    kept = []
+    real = trainer.get_high_entropy_mask
+    trainer.get_high_entropy_mask = lambda e, m, t: (
+        kept.append((real(e, m, t).sum().item(), m.sum().item())) or real(e, m, t)
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2  # the two Lopti stages
+    assert kept and all(0 < k < n for k, n in kept if n >= 5), kept
 
 
 def test_minibatch_token_mean_is_a_no_op_in_trls_default_layout(peaky_model, dataset, tmp_path):
@@ -285,7 +312,7 @@ def test_lopti_takes_twice_the_optimizer_steps_of_grpo(peaky_model, dataset, tmp
     assert runs["lopti"] == 2 * runs["grpo"]
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "cispo"])
 def test_stage_gradients_sum_to_the_one_stage_gradient_at_ratio_one(peaky_model, dataset, tmp_path, loss_type):
     """With the weights still the rollout's, the low and high stages partition the tokens of every term (policy and
     KL) and share one denominator, so their losses and gradients add up to the single-stage AR loss's."""

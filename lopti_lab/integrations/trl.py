@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the TRL versions this adapter was tested against (pyproject pins it)
-LOPTI_LOSS_TYPES = ("dapo", "dr_grpo")  # losses whose denominator does not depend on the mask (Lopti needs that)
+LOPTI_LOSS_TYPES = ("dapo", "dr_grpo", "cispo")  # losses whose denominator does not depend on the mask (Lopti's need)
 STAGE_MASK = "lopti_stage_mask"  # buffered (B, stages, T) masks, in stage order
 SEQUENCE_ADVANTAGES = "sequence_advantages"  # buffered (B,) GRPO advantages before AR, for logs and tests
 
@@ -147,10 +147,11 @@ def _validate(c: LoptiGRPOConfig) -> None:
     # Lopti: the denominator must not depend on the stage mask, nor any term's normalisation
     need(c.loss_type in LOPTI_LOSS_TYPES, "loss_type", f"must be one of {LOPTI_LOSS_TYPES} with Lopti (token mean)")
     need(c.importance_sampling_level == "token", "importance_sampling_level", "must be 'token' with Lopti")
-    # TRL divides its entropy bonus by the stage's own token count (the paper: by all response tokens) and takes the
-    # entropy quantile within the stage, so neither matches Lopti's masking: rejected rather than silently changed
+    # TRL divides its entropy bonus by the stage's own token count (the paper: by all response tokens), which does not
+    # match Lopti's masking: rejected rather than silently changed. Forking tokens (top_entropy_quantile) combine:
+    # TRL takes the entropy quantile over the tokens of the loss mask, here a stage's, so each stage trains its own
+    # top-rho entropy tokens (README: docs/trl.md, "AR and Lopti with TRL's token methods")
     need(c.entropy_coef == 0.0 and not c.use_adaptive_entropy, "entropy_coef", "must be 0 with Lopti")
-    need(c.top_entropy_quantile == 1.0, "top_entropy_quantile", "must be 1.0 with Lopti")
     per_generation = c.optimizer_steps_per_generation
     # a run or a checkpoint that stops between the stages would resume into a fresh generation's first stage
     if c.max_steps > 0 and c.rl_steps is None:
