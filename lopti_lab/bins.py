@@ -62,3 +62,19 @@ def bin_labels(bins: Sequence[float] = DEFAULT_BINS) -> list[str]:
     edges = check_bins(bins)
     last = len(edges) - 2
     return [f"[{lo:g}, {hi:g}{']' if k == last else ')'}" for k, (lo, hi) in enumerate(itertools.pairwise(edges))]
+
+
+def entropy_rank(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each response token's entropy as its rank among the batch's response tokens, in [0, 1): binned by
+    ``DEFAULT_BINS`` these are the batch's entropy quartiles (the forking tokens of Wang et al., the top 20%, lie in
+    the top one). Ties share the lowest rank of their run. 0 outside ``mask``.
+
+    >>> entropy_rank(torch.tensor([[0.5, 2.0, 0.1, 9.0]]), torch.tensor([[1, 1, 1, 0]])).tolist()
+    [[0.3333333432674408, 0.6666666865348816, 0.0, 0.0]]
+    """
+    keep = mask.bool()
+    values = entropy.detach()[keep].float()
+    ranks = torch.searchsorted(values.sort().values, values, right=False).float() / max(1, values.numel())
+    out = torch.zeros_like(entropy, dtype=torch.float32)
+    out[keep] = ranks
+    return out

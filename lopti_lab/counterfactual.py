@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import pandas as pd
 import torch
 
-from lopti_lab.bins import DEFAULT_BINS
+from lopti_lab.bins import DEFAULT_BINS, bin_labels, entropy_rank
 from lopti_lab.evaluate import score_rollout
 from lopti_lab.kk import Puzzle, build_prompt
 from lopti_lab.methods import METHODS, PAPER
@@ -125,6 +125,30 @@ def counterfactual(
     and no weight decay (its first step moves a parameter by lr * g / (|g| + eps): sign-like where eps << |g|).
     The correct ratio compares each token's probability change with the sign of its advantage (AR never flips it).
     """
+    rollout = batch.rollout
+    token_advantages = batch.advantages[:, None].expand_as(rollout.response_mask)  # (B, T)
+    # the moves are measured between float64 forwards (probability_shift): a float32 probability near 1 hides them
+    measure = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, batch.temperature)
+    before = float64_logprobs(model, *measure)
+    shifts, updates = [], []
+    for name, update in _updates(model, batch, methods, lr, optimizer, base):
+        stats = update()
+        after = float64_logprobs(model, *measure)
+        shifts.append((name, probability_shift(before, after, token_advantages, rollout.response_mask, bins)))
+        updates.append(
+            {"method": name, "optimizer_steps": stats["update/optimizer_steps"], "grad_norm": stats["grad/norm"]}
+        )
+    return Counterfactual(
+        tokens=pd.concat([s.tokens.assign(method=n) for n, s in shifts], ignore_index=True),
+        bins=pd.concat([s.bins.assign(method=n) for n, s in shifts], ignore_index=True),
+        updates=pd.DataFrame(updates),
+    )
+
+
+def _updates(model, batch: FrozenBatch, methods, lr: float, optimizer: str, base: TrainConfig | None):
+    """(name, update) for each method, where ``update(probe=None, probe_by=None)`` applies the method's update to
+    the frozen batch from the saved weights and returns its metrics; the weights are put back after each method and
+    at the end, whatever happens."""
     methods = {label: METHODS[label].overrides() for label in PAPER} if methods is None else methods
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -134,35 +158,67 @@ def counterfactual(
     saved = [p.detach().clone() for p in params]
     # no weight decay (one update measures the gradient's move); SGD keeps no AdamW settings
     one_update = {"weight_decay": 0.0} | ({"betas": (0.9, 0.999), "adam_eps": 1e-8} if optimizer == "sgd" else {})
-    token_advantages = batch.advantages[:, None].expand_as(rollout.response_mask)  # (B, T)
-    # the moves are measured between float64 forwards (probability_shift): a float32 probability near 1 hides them
-    measure = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, batch.temperature)
-    before = float64_logprobs(model, *measure)
-    shifts, updates = [], []
-    try:
-        for name, overrides in methods.items():
-            cfg = replace(base, lr=lr, **{"ar_alpha": None, "lopti_eta": None, **overrides})
-            opt = build_optimizer(params, replace(cfg, **one_update, optimizer=optimizer))
-            weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, cfg)
-            stats = update_policy(model, opt, rollout, weighted, stages, cfg)
-            after = float64_logprobs(model, *measure)
-            shift = probability_shift(before, after, token_advantages, rollout.response_mask, bins)
-            shifts.append((name, shift))
-            updates.append(
-                {"method": name, "optimizer_steps": stats["update/optimizer_steps"], "grad_norm": stats["grad/norm"]}
-            )
-            with torch.no_grad():
-                for p, s in zip(params, saved, strict=True):
-                    p.copy_(s)
-    finally:
+
+    def restore() -> None:
         with torch.no_grad():
             for p, s in zip(params, saved, strict=True):
                 p.copy_(s)
-    return Counterfactual(
-        tokens=pd.concat([s.tokens.assign(method=n) for n, s in shifts], ignore_index=True),
-        bins=pd.concat([s.bins.assign(method=n) for n, s in shifts], ignore_index=True),
-        updates=pd.DataFrame(updates),
-    )
+
+    try:
+        for name, overrides in methods.items():
+            cfg = replace(base, lr=lr, **{**METHODS["GRPO"].overrides(), **overrides})
+
+            def update(probe=None, probe_by=None, cfg=cfg):
+                restore()
+                opt = build_optimizer(params, replace(cfg, **one_update, optimizer=optimizer))
+                weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, cfg)
+                return update_policy(model, opt, rollout, weighted, stages, cfg, probe, probe_by)
+
+            yield name, update
+            restore()
+    finally:
+        restore()
+
+
+def method_probes(
+    model,
+    batch: FrozenBatch,
+    methods: dict[str, dict] | None = None,
+    *,
+    lr: float = 1e-3,
+    optimizer: str = "sgd",
+    bins: Sequence[float] = DEFAULT_BINS,
+    base: TrainConfig | None = None,
+) -> pd.DataFrame:
+    """What each method's update does to the gradient, by probability bin and by entropy bin, on the same frozen
+    batch: the bin's share of the response tokens, its share of the update's gradient (``probes.GradientProbe`` on
+    the real backward passes, position attribution; the prompt's share is ``context_grad_share``), and the correct ratio
+    of its A > 0 tokens after the update (float64). Entropy bins are the batch's entropy quartiles of the rollout
+    policy (``bins.entropy_rank``), so a reader sees where AR and Lopti (probability) and forking tokens and Clip-Cov
+    (entropy, covariance) put the update. One row per (method, binning, bin)."""
+    rollout = batch.rollout
+    mask = rollout.response_mask
+    by = {"probability": None, "entropy": entropy_rank(rollout.entropy, mask)}
+    token_advantages = batch.advantages[:, None].expand_as(mask)
+    measure = (rollout.input_ids, rollout.attention_mask, mask, batch.temperature)
+    before = float64_logprobs(model, *measure)
+    rows = []
+    for name, update in _updates(model, batch, methods, lr, optimizer, base):
+        for binning, bin_by in by.items():
+            with GradientProbe(model, bins=bins) as probe:
+                update(probe, bin_by)
+            shares = probe.metrics()
+            after = float64_logprobs(model, *measure)
+            shift = probability_shift(before, after, token_advantages, mask, bins, bin_by=bin_by).bins
+            pos = shift[shift["sign"] == "pos"].set_index("bin")
+            for k, label in enumerate(bin_labels(bins)):
+                rows.append({
+                    "method": name, "binning": binning, "bin": k, "label": label,
+                    "token_share": shares.get(f"tokens/share_bin{k}"), "grad_share": shares.get(f"grad/share_bin{k}"),
+                    "context_grad_share": shares.get("grad/share_context"),
+                    "correct_ratio": pos.loc[k, "correct_ratio"], "n_pos": int(pos.loc[k, "n_tokens"]),
+                })  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 def attribution_tables(model, batch: FrozenBatch, bins: Sequence[float] = DEFAULT_BINS) -> pd.DataFrame:

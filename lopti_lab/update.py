@@ -35,11 +35,15 @@ def _schedule(stages, n_rows: int, minibatch: int, epochs: int) -> Iterator[tupl
                 yield name, stage_mask, slice(start, start + minibatch)
 
 
-def _probe_tokens(probe: GradientProbe | None, rollout: Rollout, rows: slice) -> Callable[[int], None] | None:
-    """Tell the probe, before each forward, the rollout probabilities of the t response columns that forward keeps."""
+def _probe_tokens(
+    probe: GradientProbe | None, rollout: Rollout, rows: slice, probe_by: torch.Tensor | None = None
+) -> Callable[[int], None] | None:
+    """Tell the probe, before each forward, what bins the t response columns that forward keeps: their rollout
+    probabilities, or ``probe_by`` ((B, T) values in [0, 1], e.g. ``bins.entropy_rank`` for entropy bins)."""
     if probe is None:
         return None
-    return lambda t: probe.set_tokens(rollout.old_logp[rows, :t].exp(), rollout.response_mask[rows, :t])
+    by = rollout.old_logp.exp() if probe_by is None else probe_by
+    return lambda t: probe.set_tokens(by[rows, :t], rollout.response_mask[rows, :t])
 
 
 def _acting_rows(acting: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +62,7 @@ def update_policy(
     stages: Sequence[tuple[str, torch.Tensor]],
     config: TrainConfig,
     probe: GradientProbe | None = None,
+    probe_by: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """All optimizer steps of one RL step; returns the update's metrics.
 
@@ -105,7 +110,7 @@ def update_policy(
                     reach,
                     config.temperature,
                     with_entropy=on_policy,
-                    before_forward=_probe_tokens(probe, rollout, m),
+                    before_forward=_probe_tokens(probe, rollout, m, probe_by),
                     fast_path=config.fast_path,
                 )  # (b, T)
                 if on_policy:  # the weights are still the rollout's: this forward IS pi_old, exactly

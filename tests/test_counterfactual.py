@@ -5,7 +5,14 @@ import zlib
 import pytest
 import torch
 
-from lopti_lab.counterfactual import FrozenBatch, attribution_tables, counterfactual, whole_batch_config
+from lopti_lab.bins import entropy_rank
+from lopti_lab.counterfactual import (
+    FrozenBatch,
+    attribution_tables,
+    counterfactual,
+    method_probes,
+    whole_batch_config,
+)
 from lopti_lab.kk import build_prompt, load_split
 from lopti_lab.methods import METHODS
 from lopti_lab.models import LoraSpec, load_policy
@@ -102,3 +109,41 @@ def test_attribution_tables_add_up(policy, batch):
         assert parts["grad_share"].sum() == pytest.approx(1.0, abs=1e-4), attribution
     assert set(tables["attribution"]) == {"loss", "position"}
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_entropy_rank_is_the_naive_rank():
+    g = torch.Generator().manual_seed(3)
+    entropy = torch.rand(4, 7, generator=g).round(decimals=1)  # ties on purpose
+    mask = (torch.rand(4, 7, generator=g) > 0.3).long()
+    ranks = entropy_rank(entropy, mask)
+    values = entropy[mask.bool()].tolist()
+    for (i, j), r in zip(mask.nonzero().tolist(), ranks[mask.bool()].tolist(), strict=True):
+        assert r == pytest.approx(sum(v < entropy[i, j].item() for v in values) / len(values))
+    assert (ranks[~mask.bool()] == 0).all()
+
+
+def test_method_probes_match_the_counterfactual_and_the_entropy_quartiles(policy, batch):
+    model, _ = policy
+    before = [p.detach().clone() for p in model.parameters()]
+    methods = {"GRPO": {}, "GRPO+Lopti": METHODS["GRPO+Lopti"].overrides()}
+    table = method_probes(model, batch, methods, lr=0.5, optimizer="sgd")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "weights restored"
+    assert set(table["binning"]) == {"probability", "entropy"} and set(table["method"]) == set(methods)
+    for (_, binning), rows in table.groupby(["method", "binning"]):
+        assert rows["token_share"].sum() == pytest.approx(1.0, abs=1e-6), binning
+        whole = rows["grad_share"].sum() + rows["context_grad_share"].iloc[0]  # the prompt's share is the rest
+        assert whole == pytest.approx(1.0, abs=1e-4), binning
+    # the probability bins' correct ratio is the counterfactual's own
+    cf = counterfactual(model, batch, methods, lr=0.5, optimizer="sgd")
+    pos = cf.bins[cf.bins["sign"] == "pos"].set_index(["method", "bin"])["correct_ratio"]
+    prob = table[table["binning"] == "probability"].set_index(["method", "bin"])["correct_ratio"]
+    for key, value in prob.items():
+        assert value == pytest.approx(pos[key], nan_ok=True), key
+    # entropy bins: each token counted by its naive entropy rank among the batch's response tokens
+    mask = batch.rollout.response_mask.bool()
+    values = batch.rollout.entropy[mask]
+    rank = torch.tensor([(values < v).sum().item() / len(values) for v in values.tolist()])
+    naive = torch.bucketize(rank, torch.tensor([0.25, 0.5, 0.75]), right=True)
+    got = table[(table["binning"] == "entropy") & (table["method"] == "GRPO")].set_index("bin")["token_share"]
+    for k in range(len(got)):
+        assert got[k] == pytest.approx((naive == k).float().mean().item()), k

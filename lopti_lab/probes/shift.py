@@ -114,8 +114,10 @@ def probability_shift(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     bins: Sequence[float] = DEFAULT_BINS,
+    bin_by: torch.Tensor | None = None,
 ) -> ProbabilityShift:
-    """How each token's probability moved, binned by the OLD probability, and the paper's correct ratio.
+    """How each token's probability moved, binned by the OLD probability (or by ``bin_by``, any (B, T) values in
+    [0, 1]: ``bins.entropy_rank`` for entropy bins), and the paper's correct ratio.
 
     The direction of a move is the sign of new_logp - old_logp, taken in float64: a log-probability near 0 keeps its
     digits where the probability itself does not (exp(-3e-5) and exp(-2e-5) are one float32 number), so a token near
@@ -139,7 +141,8 @@ def probability_shift(
     seq, pos = mask.nonzero(as_tuple=True)
     a = adv[seq, pos].double().cpu().numpy()
     step = dlogp[seq, pos].cpu().numpy()
-    bin_of = bin_index(p_old[seq, pos], edges).cpu().numpy()
+    binned = p_old if bin_by is None else _check_like("bin_by", bin_by, mask).detach().double()
+    bin_of = bin_index(binned[seq, pos], edges).cpu().numpy()
     correct = pd.array(np.where(a > 0, step > 0, step < 0), dtype="boolean")
     correct[(a == 0) | (step == 0)] = pd.NA
     labels = bin_labels(edges)
