@@ -131,8 +131,8 @@ PAPER: tuple[str, ...] = tuple(label for label, m in METHODS.items() if m.is_pap
 
 
 def method_label(config: Mapping | object) -> str:
-    """ "GRPO", "GRPO+AR", "GRPO+Lopti" or "GRPO+AR+Lopti" from a config (a dict or a dataclass with ``ar_alpha``,
-    ``lopti_eta``, ``lopti_order``).
+    """A method's label from a config (a dict or a dataclass with the ``METHOD_FIELDS``): "GRPO", then "+AR",
+    "+Lopti", "+Forking", "+EntAdv" for each switch on, then the loss ("+CISPO", "+Clip-Cov", "+KL-Cov").
 
     AR counts as on when ar_alpha is set and > 0 (alpha = 0 is GRPO exactly); Lopti with order "high_first" (the
     paper's ablation) reads "GRPO+Lopti(high-first)".

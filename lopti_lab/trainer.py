@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lopti_lab import runs
+from lopti_lab.bins import entropy_rank
 from lopti_lab.evaluate import evaluate, score_rollout
 from lopti_lab.kk import Puzzle, build_prompt, load_split
 from lopti_lab.methods import run_name
@@ -201,17 +202,29 @@ def shift_metrics(
 
     Keys: ``shift/correct_{pos,neg}_bin{i}`` (among the A > 0 tokens that moved, the share that went up; among the
     A < 0 ones, the share that went down), ``shift/unmoved_{pos,neg}_bin{i}`` (share that did not move at all),
-    ``shift/n_{pos,neg}_bin{i}`` (token counts) and ``shift/dp_mean_bin{i}``.
+    ``shift/n_{pos,neg}_bin{i}`` (token counts) and ``shift/dp_mean_bin{i}``; where the rollout has its entropy, the
+    same three by the batch's entropy quartiles (``bins.entropy_rank``) under ``shift_entropy/``.
     """
     after = shift_logprobs(model, rollout, cfg)
-    shift = probability_shift(before, after, advantages, rollout.response_mask, cfg.probe_bins)
-    out = {}
-    for row in shift.bins.itertuples():
-        out[f"shift/n_{row.sign}_bin{row.bin}"] = float(row.n_tokens)
-        out[f"shift/correct_{row.sign}_bin{row.bin}"] = float(row.correct_ratio) if row.n_moved else math.nan
-        out[f"shift/unmoved_{row.sign}_bin{row.bin}"] = float(row.unmoved_share) if row.n_tokens else math.nan
+    mask = rollout.response_mask
+    shift = probability_shift(before, after, advantages, mask, cfg.probe_bins)
+    out = _shift_bins(shift, "shift")
     means = shift.tokens.groupby("bin")["delta_p"].mean()
     out.update({f"shift/dp_mean_bin{k}": float(v) for k, v in means.items()})
+    if rollout.entropy is not None:
+        by_entropy = probability_shift(
+            before, after, advantages, mask, cfg.probe_bins, entropy_rank(rollout.entropy, mask)
+        )
+        out.update(_shift_bins(by_entropy, "shift_entropy"))
+    return out
+
+
+def _shift_bins(shift, prefix: str) -> dict[str, float]:
+    out = {}
+    for row in shift.bins.itertuples():
+        out[f"{prefix}/n_{row.sign}_bin{row.bin}"] = float(row.n_tokens)
+        out[f"{prefix}/correct_{row.sign}_bin{row.bin}"] = float(row.correct_ratio) if row.n_moved else math.nan
+        out[f"{prefix}/unmoved_{row.sign}_bin{row.bin}"] = float(row.unmoved_share) if row.n_tokens else math.nan
     return out
 
 

@@ -6,7 +6,8 @@ the tests drive them without a browser; in a notebook, display the panel (``pane
 
     SoftmaxExplorer   the softmax gradient of every token of a small vocabulary, under a temperature slider
     ToyPanel          the theory toy (GRPO / AR / Lopti / AR+Lopti) with its knobs
-    TrainPanel        GRPO on K&K with AR and Lopti switches, Run and Stop, live plots, a progress bar
+    TrainPanel        GRPO on K&K with AR and Lopti switches and a picker of the token-level methods after the paper,
+                      Run and Stop, live plots, a progress bar
     MechanismPanel    the paper's Fig. 3 under the optimizer a switch picks, and why (measured on a frozen batch)
     ComparePanel      pick run folders, compare learning curves and final accuracy
 
@@ -31,11 +32,11 @@ from IPython.display import display
 
 from lopti_lab import plots, runs
 from lopti_lab.demo.mechanism import OPTIMIZER_SETTINGS, decomposition
-from lopti_lab.methods import METHODS, PAPER, method_label, run_name
+from lopti_lab.methods import ENTROPY_ADV_ALPHA, FORKING_RHO, METHODS, PAPER, method_label, run_name
 from lopti_lab.notebook import Environment, setup, training_defaults
 from lopti_lab.theory import grad_norm_bounds, logit_grad_norm
 from lopti_lab.toy import ToyConfig, simulate
-from lopti_lab.train_config import OPTIMIZERS, TrainConfig
+from lopti_lab.train_config import LOSSES, OPTIMIZERS, TrainConfig
 from lopti_lab.trainer import train
 
 # Matplotlib is not thread-safe (figures share its font cache), and a TrainPanel draws from its training thread while
@@ -223,6 +224,19 @@ class TrainPanel(_Panel):
         self.eta = W.FloatSlider(value=base.lopti_eta or 0.5, min=0.05, max=0.95, step=0.05, description="eta")
         self.order = W.Dropdown(options=["low_first", "high_first"], value=base.lopti_order, description="order")
         self.optimizer = W.ToggleButtons(options=list(OPTIMIZERS), value=base.optimizer, description="optimizer")
+        # the token-level methods after the paper (docs/methods.md); TrainConfig refuses the combinations not defined
+        label = method_label(base)
+        self.method = W.Dropdown(options=list(METHODS), value=label if label in METHODS else None, description="preset")
+        self.loss = W.Dropdown(options=list(LOSSES), value=base.loss, description="loss")
+        self.forking = W.Checkbox(value=base.forking_rho is not None, description="forking tokens", indent=False)
+        self.rho = W.FloatSlider(value=base.forking_rho or FORKING_RHO, min=0.05, max=1.0, step=0.05, description="rho")
+        self.entropy_adv = W.Checkbox(
+            value=base.entropy_adv_alpha is not None, description="entropy advantage", indent=False
+        )
+        self.ent_alpha = W.FloatSlider(
+            value=base.entropy_adv_alpha or ENTROPY_ADV_ALPHA, min=0.0, max=2.0, step=0.05, description="alpha"
+        )
+        self.method.observe(lambda change: self._pick(change["new"]), names="value")
         self.steps = W.IntText(value=base.steps, description="steps")
         self.lr = W.FloatLogSlider(
             value=base.lr, base=10, min=-7, max=-2, step=0.1, description="lr", readout_format=".1e"
@@ -237,7 +251,9 @@ class TrainPanel(_Panel):
         self.output = W.Output()
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: self.stop())
-        for box, slider in ((self.ar, self.alpha), (self.lopti, self.eta), (self.lopti, self.order)):
+        switches = ((self.ar, self.alpha), (self.lopti, self.eta), (self.lopti, self.order), (self.forking, self.rho),
+                    (self.entropy_adv, self.ent_alpha))  # fmt: skip
+        for box, slider in switches:
             box.observe(lambda change, s=slider: setattr(s, "disabled", not change["new"]), names="value")
             slider.disabled = not box.value
         self.history: list[dict] = []
@@ -250,6 +266,8 @@ class TrainPanel(_Panel):
                 W.HBox([self.model, self.name]),
                 W.HBox([self.ar, self.alpha]),
                 W.HBox([self.lopti, self.eta, self.order]),
+                W.HBox([self.method, self.loss]),
+                W.HBox([self.forking, self.rho, self.entropy_adv, self.ent_alpha]),
                 W.HBox([self.steps, self.lr]),
                 self.optimizer,
                 W.HBox([self.prompts, self.group_size]),
@@ -265,6 +283,9 @@ class TrainPanel(_Panel):
             "ar_alpha": self.alpha.value if self.ar.value else None,
             "lopti_eta": self.eta.value if self.lopti.value else None,
             "lopti_order": self.order.value,
+            "loss": self.loss.value,
+            "forking_rho": self.rho.value if self.forking.value else None,
+            "entropy_adv_alpha": self.ent_alpha.value if self.entropy_adv.value else None,
             "optimizer": self.optimizer.value,
             "steps": self.steps.value,
             "lr": self.lr.value,
@@ -280,6 +301,19 @@ class TrainPanel(_Panel):
         name = self.name.value.strip() or run_name(method_label(values))
         return replace(self.base, run_dir=str(self.run_root / name), progress=False, **values)
 
+    def _pick(self, label: str | None) -> None:
+        """Set the switches to a registered method (``methods.METHODS``); the switches stay free to change."""
+        if label is None:
+            return
+        fields = METHODS[label].overrides()
+        for box, slider, key in ((self.ar, self.alpha, "ar_alpha"), (self.lopti, self.eta, "lopti_eta"),
+                                 (self.forking, self.rho, "forking_rho"),
+                                 (self.entropy_adv, self.ent_alpha, "entropy_adv_alpha")):  # fmt: skip
+            box.value = fields.get(key) is not None
+            if box.value:
+                slider.value = fields[key]
+        self.loss.value = fields.get("loss", "ppo")
+
     def _on_step(self, metrics: dict) -> bool:
         self.history.append(metrics)
         self.progress.value = int(metrics["step"])
@@ -292,8 +326,9 @@ class TrainPanel(_Panel):
     @property
     def settings(self) -> list[W.Widget]:
         """The controls that set a run's config: locked while it trains (its config cannot change mid-run)."""
-        return [self.model, self.name, self.ar, self.alpha, self.lopti, self.eta, self.order, self.optimizer,
-                self.steps, self.lr, self.prompts, self.group_size]  # fmt: skip
+        return [self.model, self.name, self.ar, self.alpha, self.lopti, self.eta, self.order, self.method, self.loss,
+                self.forking, self.rho, self.entropy_adv, self.ent_alpha, self.optimizer, self.steps, self.lr,
+                self.prompts, self.group_size]  # fmt: skip
 
     def _lock_settings(self, locked: bool) -> None:
         for control in self.settings:

@@ -477,6 +477,7 @@ def test_shift_metrics_match_a_per_token_count(config):
     metrics = trainer.shift_metrics(model, rollout, advantages, cfg, before)
     new_probs = probs_of_a_copy()
     T = rollout.response_ids.shape[1]
+    entropies = rollout.entropy[rollout.response_mask.bool()].tolist()  # every response token ranks, A = 0 too
     counts = {}
     for b in range(len(rollout)):
         for t in range(T):
@@ -484,16 +485,18 @@ def test_shift_metrics_match_a_per_token_count(config):
                 continue
             at, token = ids.shape[1] - T - 1 + t, rollout.response_ids[b, t]
             old_p, new_p = old_probs[b, at, token].item(), new_probs[b, at, token].item()
-            k = min(int(old_p / 0.25), 3)
+            rank = sum(e < rollout.entropy[b, t].item() for e in entropies) / len(entropies)
             sign = "pos" if advantages[b] > 0 else "neg"
             right = new_p > old_p if sign == "pos" else new_p < old_p
-            n, c = counts.get((sign, k), (0, 0))
-            counts[(sign, k)] = (n + 1, c + right)
-    assert counts
-    for (sign, k), (n, c) in counts.items():
-        assert metrics[f"shift/n_{sign}_bin{k}"] == n
-        assert metrics[f"shift/correct_{sign}_bin{k}"] == pytest.approx(c / n)
-        assert metrics[f"shift/unmoved_{sign}_bin{k}"] == 0.0  # an update this size moves every token
+            for prefix, value in (("shift", old_p), ("shift_entropy", rank)):
+                key = (prefix, sign, min(int(value / 0.25), 3))
+                n, c = counts.get(key, (0, 0))
+                counts[key] = (n + 1, c + right)
+    assert {key[0] for key in counts} == {"shift", "shift_entropy"}
+    for (prefix, sign, k), (n, c) in counts.items():
+        assert metrics[f"{prefix}/n_{sign}_bin{k}"] == n
+        assert metrics[f"{prefix}/correct_{sign}_bin{k}"] == pytest.approx(c / n)
+        assert metrics[f"{prefix}/unmoved_{sign}_bin{k}"] == 0.0  # an update this size moves every token
 
 
 @pytest.mark.parametrize("fast_path", ["hf", "lean"])

@@ -104,6 +104,26 @@ def test_train_panel_toggles_build_the_right_config(base, tmp_path):
     assert (cfg.optimizer, cfg.adam_eps, cfg.betas) == ("sgd", 1e-8, (0.9, 0.999))
 
 
+def test_train_panel_method_picker_sets_every_registered_method(base, tmp_path):
+    from lopti_lab.methods import METHODS
+
+    panel = widgets.TrainPanel(base=base, run_root=tmp_path)
+    for label, method in METHODS.items():
+        panel.method.value = label
+        cfg = panel.config()
+        assert cfg.method == label, label
+        assert all(getattr(cfg, key) == value for key, value in method.overrides().items()), label
+    panel.method.value = "GRPO+CISPO"
+    panel.ar.value, panel.forking.value, panel.rho.value = True, True, 0.3
+    cfg = panel.config()
+    assert (cfg.loss, cfg.ar_alpha, cfg.forking_rho, cfg.method) == ("cispo", 0.3, 0.3, "GRPO+AR+Forking+CISPO")
+    panel.method.value = "GRPO+Clip-Cov"
+    panel.lopti.value = True  # Clip-Cov's random drop has no meaning inside Lopti's two stages: refused by name
+    assert panel.run(block=True) is None
+    assert "bad setting" in panel.status.value and "loss" in panel.status.value
+    assert not list(tmp_path.iterdir())
+
+
 def test_train_panel_run_writes_a_run_folder_and_plots(base, tmp_path):
     panel = widgets.TrainPanel(base=base, run_root=tmp_path)
     panel.lopti.value = True
