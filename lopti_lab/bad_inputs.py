@@ -246,6 +246,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "length_buckets": [("out of range", 0)],
         "max_new_tokens": [("out of range", 0)],
         "threads": [("out of range", 0)],
+        "init_from": [("not a lab model folder", "no/such/lab_model")],
         "autocast": [("not a choice", "float16")],
         "stop_after": [("out of range", 0)],
     },

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -25,6 +26,7 @@ from lopti_lab.kk import Puzzle, build_prompt
 from lopti_lab.methods import METHODS, PAPER
 from lopti_lab.models import PROMPT_STYLE_KEY
 from lopti_lab.objective import group_advantages
+from lopti_lab.paths import data_dir
 from lopti_lab.probes import GradientProbe, bin_gradient_norms, probability_shift
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.rollout import Rollout, response_logprobs, sample
@@ -219,6 +221,16 @@ def method_probes(
                     "correct_ratio": pos.loc[k, "correct_ratio"], "n_pos": int(pos.loc[k, "n_tokens"]),
                 })  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def recorded_method_probes(folder: str | Path = "reports/method_probes") -> tuple[pd.DataFrame, Path]:
+    """(``method_probes``'s table, where it was read): ``folder``'s method_probes.csv when
+    ``benchmarks/method_probes.py`` wrote one there, else the run recorded with lopti_lab
+    (``data/methods/method_probes.csv``; docs/methods.md says how it was run)."""
+    for file in (Path(folder) / "method_probes.csv", data_dir() / "methods" / "method_probes.csv"):
+        if file.is_file():
+            return pd.read_csv(file), file
+    raise FileNotFoundError(f"no method_probes.csv in {folder} or in {data_dir() / 'methods'}")
 
 
 def attribution_tables(model, batch: FrozenBatch, bins: Sequence[float] = DEFAULT_BINS) -> pd.DataFrame:

@@ -429,7 +429,9 @@ def _per_bin(long: pd.DataFrame, pattern: str, missing: str) -> pd.DataFrame:
         raise ValueError(f"{missing}: train with probe_every > 0")
     parts = cells["metric"].str.extract(pattern)
     cells["what"], cells["bin"] = parts[0], parts[1].astype(int)
-    return cells.pivot_table(index=["method", "run", "step", "bin"], columns="what", values="value").reset_index()
+    wide = cells.pivot_table(index=["method", "run", "step", "bin"], columns="what", values="value")
+    # pivot_table drops a quantity that is NaN everywhere (a correct ratio where no token moved): keep it, as NaN
+    return wide.reindex(columns=sorted(cells["what"].unique())).reset_index()
 
 
 def mechanism_over_steps(long: pd.DataFrame, sign: str = "pos", smooth: int = 1) -> Figure:

@@ -360,8 +360,10 @@ class TrainPanel(_Panel):
         self.progress.max, self.progress.value = config.steps, 0
         verb = "resuming" if resume else "training"
         self.status.value = f"{verb} {config.method} into {config.run_dir} ..."
-        self.run_button.disabled, self.stop_button.disabled = True, False
+        # in this order, so that the page never shows Stop enabled beside a setting that is not locked
+        self.run_button.disabled = True
         self._lock_settings(True)
+        self.stop_button.disabled = False
         _stop_on_kernel_interrupt(self._stop)
 
         def work():
@@ -376,8 +378,9 @@ class TrainPanel(_Panel):
                 if not threaded:
                     raise
             finally:
+                self.stop_button.disabled = True
                 self._lock_settings(False)
-                self.run_button.disabled, self.stop_button.disabled = False, True
+                self.run_button.disabled = False
 
         threaded = _in_kernel() if block is None else not block
         if threaded:

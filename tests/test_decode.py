@@ -202,9 +202,10 @@ def test_lab_model_matches_hf_generate():
     prompts = [build_prompt(p, LAB_PROMPT_STYLE, tokenizer) for p in load_split("test", (2, 3), limit=2)]
     ids, mask = encode(tokenizer, prompts)
     stops = [tokenizer.eos_token_id]
-    expected = hf_generate(model, ids, mask, 1, stops, 200, greedy=True)
+    cap = 640  # the lab model's response cap (PretrainConfig.max_new_tokens): every answer ends before it
+    expected = hf_generate(model, ids, mask, 1, stops, cap, greedy=True)
     with torch.inference_mode():
-        out = lean_generate(model, ids, mask, 1, max_new_tokens=200, stop_ids=stops, pad_id=0, greedy=True)
+        out = lean_generate(model, ids, mask, 1, max_new_tokens=cap, stop_ids=stops, pad_id=0, greedy=True)
     assert torch.equal(out.response_ids, expected)
     assert torch.isin(expected, torch.tensor(stops)).any(1).all()  # every answer ended before the cap
     torch.manual_seed(3)

@@ -243,6 +243,7 @@ def test_ctrl_c_in_train_exits_130_keeps_every_finished_step_and_resumes(model_d
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert [r["step"] for r in runs.load_metrics(run_dir)] == list(range(1, len(kept) + 3))
+    print(f"Ctrl-C in train: exit {proc.returncode}, {len(kept)} records kept, resumed to {len(kept) + 2}")
 
 
 @pytest.mark.slow
@@ -267,5 +268,7 @@ def test_ctrl_c_in_the_demo_exits_130_leaves_no_worker_and_the_same_command_fini
     again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     assert (out / "report.md").is_file()
+    kept = {d.name: len(runs.load_metrics(d)) for d in (out / "runs").glob("*") if d.is_dir()}
     for run_dir in (out / "runs").glob("*"):
         assert [r["step"] for r in runs.load_metrics(run_dir)] == [1, 2]
+    print(f"Ctrl-C in the demo: exit 130, {len(workers)} worker processes seen, 0 alive after; rerun exit 0, {kept}")

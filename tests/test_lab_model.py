@@ -295,3 +295,42 @@ def test_a_recorded_run_the_clock_stopped_is_reproduced_to_the_same_step(tmp_pat
     tiny = PretrainConfig(steps=5, stop_after=2, eval_every=10, spec=spec, final_people=(2,), final_size=1,
                           final_samples=1, max_new_tokens=8, threads=1)  # fmt: skip
     assert pretrain(tiny, tmp_path / "tiny", progress=False)["steps_done"] == 2
+
+
+def test_start_from_carries_a_lab_model_over_to_another_vocabulary(tmp_path):
+    """`lab.model.start_from` (the `init_from` of pretraining): every weight but the embedding is the folder's;
+    each token's row is the folder's row of the same token string, a token the folder lacks starts at the mean row;
+    on the folder's own vocabulary it is the folder's model itself; a model of another shape is refused."""
+    from lopti_lab.lab.model import save_lab_model, start_from
+
+    spec = LabModelSpec(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    old_tok = build_tokenizer(vocab_size=400, n_puzzles=200)
+    old = build_model(old_tok, spec, seed=3)
+    record = {"config": dataclasses.asdict(PretrainConfig(spec=spec)), "parameters": 1, "steps_done": 0, "minutes": 0}
+    save_lab_model(old, old_tok, tmp_path / "old", record, prompt_style(RL_TRACE))
+
+    same, share = start_from(tmp_path / "old", old_tok, spec)
+    ids = torch.tensor([old_tok.encode("Aria says that Liam is a knave.")])
+    assert share == 1.0
+    torch.testing.assert_close(same(input_ids=ids).logits, old(input_ids=ids).logits, rtol=0, atol=0)
+
+    new_tok = build_tokenizer(vocab_size=460, n_puzzles=200, seed=1)
+    new, share = start_from(tmp_path / "old", new_tok, spec)
+    old_vocab, new_vocab = old_tok.get_vocab(), new_tok.get_vocab()
+    shared = sorted(set(old_vocab) & set(new_vocab))
+    assert 0 < len(shared) < len(new_vocab) and share == pytest.approx(len(shared) / len(new_vocab))
+    old_rows, new_rows = old.get_input_embeddings().weight, new.get_input_embeddings().weight
+    for token in shared:
+        assert torch.equal(new_rows[new_vocab[token]], old_rows[old_vocab[token]]), token
+    lacking = next(t for t in new_vocab if t not in old_vocab)
+    torch.testing.assert_close(new_rows[new_vocab[lacking]], old_rows.mean(0))
+    assert new.lm_head.weight.data_ptr() == new_rows.data_ptr()  # the output layer stays tied to the embedding
+    old_state = old.state_dict()
+    for name, weight in new.state_dict().items():
+        if "embed_tokens" not in name and name != "lm_head.weight":
+            assert torch.equal(weight, old_state[name]), name
+
+    with pytest.raises(ValueError, match="not a lab model of this shape"):
+        start_from(tmp_path / "old", new_tok, dataclasses.replace(spec, num_hidden_layers=2))

@@ -76,3 +76,7 @@ def test_kernel_interrupt_stops_the_panel_run_and_a_restarted_kernel_continues_i
     records = runs.load_metrics(folder)
     assert [r["step"] for r in records] == list(range(1, done + 3))
     assert json.loads((folder / runs.CONFIG).read_text())["steps"] == done + 2
+    print(
+        f"kernel interrupt: stopped after step {steps} with its checkpoint; restart mid-run left a folder resumable"
+        f" at step {done}; Run with the same name continued to {done + 2}, {len(records)} records in order"
+    )

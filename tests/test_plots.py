@@ -201,6 +201,14 @@ def test_correct_ratio_pools_bins_and_follows_the_top_bin():
     np.testing.assert_allclose(over_steps.lines[0].get_xdata(), [2, 3])
     with pytest.raises(ValueError, match="shift"):
         correct_ratio(_long_table().query("not metric.str.startswith('shift')"))
+    long = _long_table()  # no token moved at any probed step (as the trainer logs it: unmoved share 1, correct NaN)
+    correct = long["metric"].str.startswith("shift/correct")
+    unmoved = long[correct].assign(metric=lambda t: t["metric"].str.replace("correct", "unmoved"), value=1.0)
+    long = pd.concat([long.assign(value=long["value"].mask(correct)), unmoved], ignore_index=True)
+    fig = correct_ratio(long)
+    rendered(fig)
+    method_lines = [line for line in fig.axes[0].lines if line.get_label() in ("GRPO", "GRPO+AR")]
+    assert len(method_lines) == 2 and all(np.isnan(line.get_ydata()).all() for line in method_lines)
 
 
 def test_live_training_draws_what_has_been_logged():

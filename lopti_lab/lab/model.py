@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lopti_lab.models import PROMPT_STYLE_KEY
 
-__all__ = ["LabModelSpec", "build_model", "model_card", "save_lab_model"]
+__all__ = ["LabModelSpec", "build_model", "model_card", "save_lab_model", "start_from"]
 
 SUMMARY = "lab_model.json"
 """In a lab model folder: the pretraining's record (its config, loss curve, evaluations, wall time)."""
@@ -65,6 +65,40 @@ def build_model(tokenizer, spec: LabModelSpec = LabModelSpec(), seed: int = 0):
     return model
 
 
+def start_from(folder: str | Path, tokenizer, spec: LabModelSpec = LabModelSpec()):
+    """A lab model started from the weights of the lab model in ``folder``, for ``tokenizer``'s vocabulary: every
+    weight but the embedding is copied; each token's embedding row (tied with the output layer) is the folder's row
+    of the same token string (read from its tokenizer.json, whatever class a loader would make of it), and a token
+    the folder lacks starts at the mean of its rows. With the same vocabulary, the folder's model itself.
+
+    Returns (model, mapped): ``mapped`` the share of ``tokenizer``'s tokens found in the folder's vocabulary."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    old = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    old_vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    new_vocab = tokenizer.get_vocab()
+    model = build_model(tokenizer, spec)
+    state = {k: v for k, v in old.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any("embed_tokens" not in k and k != "lm_head.weight" for k in missing):
+        raise ValueError(f"{folder}: not a lab model of this shape (missing {missing}, unexpected {unexpected})")
+    old_rows = old.get_input_embeddings().weight.detach()
+    rows = model.get_input_embeddings().weight
+    found = 0
+    with torch.no_grad():
+        rows.copy_(old_rows.mean(0).expand_as(rows))
+        for token, i in new_vocab.items():
+            j = old_vocab.get(token)
+            if j is not None and j < len(old_rows) and i < len(rows):
+                rows[i] = old_rows[j]
+                found += 1
+    model.tie_weights()
+    return model, found / len(new_vocab)
+
+
 def save_lab_model(model, tokenizer, out: str | Path, summary: dict, prompt_style: str) -> Path:
     """Write ``out`` as a standard checkpoint: config.json (naming ``prompt_style`` under ``PROMPT_STYLE_KEY``),
     generation_config.json, model.safetensors, the tokenizer files, the pretraining record ``lab_model.json`` and the
@@ -92,6 +126,13 @@ def model_card(summary: dict, prompt_style: str) -> str:
     counts = [str(n) for n in cfg["people"]]
     trained = counts[0] if len(counts) == 1 else ", ".join(counts[:-1]) + "- and " + counts[-1]
     threads = summary.get("threads", "?")
+    if cfg.get("init_from"):
+        share = summary.get("init_from_vocab_share") or 0
+        start = (f"continued from the lab model in `{cfg['init_from']}` (its weights; each token's embedding carried "
+                 f"over by token string, {share:.0%} of this vocabulary found there)")  # fmt: skip
+        again = "(it needs that folder, as `init_from` names it)"
+    else:
+        start, again = "from random weights", ""
     return f"""---
 license: mit
 library_name: transformers
@@ -114,18 +155,19 @@ that sampled accuracy sits below greedy and GRPO has something to sharpen.
 
 ## How it was trained
 
-Supervised warm start from random weights on solver traces of generated {trained}-person puzzles (none from the test
+Supervised warm start {start}, on solver traces of generated {trained}-person puzzles (none from the test
 split), {summary["steps_done"]} AdamW steps of {cfg["batch_size"]} sequences, lr {cfg["lr"]:g} (cosine), bf16
 autocast, {summary["minutes"]:.0f} minutes on {threads} CPU thread{"" if threads == 1 else "s"}
 (torch {summary.get("torch", "?")}).
 The tokenizer is byte-level BPE learned on K&K text, in transformers' own `Qwen2Tokenizer`. The full record
-(config, loss curve, evaluations) is `lab_model.json`. To reproduce it:
+(config, loss curve, evaluations) is `lab_model.json`. To reproduce it {again}:
 
     lopti-lab pretrain --config lab_model.json --out lab_model_again
 
 ## Evaluation
 
-Share of the bundled K&K test split (100 puzzles per people count) answered exactly right (Logic-RL reward 3):
+Share of the bundled K&K test split ({cfg.get("final_size") or 100} puzzles per people count) answered exactly right
+(Logic-RL reward 3):
 
 | decoding | {" | ".join(f"{n} people" for n in people)} | format errors |
 |---|{"---|" * len(people)}---|
@@ -138,7 +180,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 tokenizer = AutoTokenizer.from_pretrained("path/to/lab_model")
 model = AutoModelForCausalLM.from_pretrained("path/to/lab_model")
-print(model.config.{PROMPT_STYLE_KEY})   # "{prompt_style}": the prompt it was trained on
+print(model.config.{PROMPT_STYLE_KEY})  # "{prompt_style}": the prompt it was trained on
 ```
 
 The prompt is lopti_lab's `kk.build_prompt(puzzle, "{prompt_style}", tokenizer)`: the quiz as the user message of the

@@ -1,7 +1,10 @@
-"""The lab model's supervised warm start: ``lopti-lab pretrain`` trains a lab model from random weights on solver
-traces (``lab.trace``) of generated puzzles, evaluates it on the test split and saves it (``lab.model``).
+"""The lab model's supervised warm start: ``lopti-lab pretrain`` trains a lab model from random weights (or from
+another lab model's, ``init_from``) on solver traces (``lab.trace``) of generated puzzles, evaluates it on the test
+split and saves it (``lab.model``).
 
-    summary = pretrain(PretrainConfig(), "data/lab_model")     # the bundled model's recipe, <= 60 min on 2 cores
+    summary = pretrain(PretrainConfig(), "my_lab_model")  # the from-scratch recipe: 3,700 steps, ~76 min on 2 cores
+
+docs/lab_model.md says how the bundled model was made (two ``init_from`` stages from the previous lab model).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from lopti_lab.evaluate import evaluate
 from lopti_lab.kk import Puzzle, build_prompt, generate_puzzle
 from lopti_lab.kk.data import load_split, puzzle_seed, split_files
 from lopti_lab.lab.evaluate import evaluate_warm_start
-from lopti_lab.lab.model import LabModelSpec, build_model, save_lab_model
+from lopti_lab.lab.model import LabModelSpec, build_model, save_lab_model, start_from
 from lopti_lab.lab.tokenizer import build_tokenizer, lab_response
 from lopti_lab.lab.trace import RL_TRACE, TraceStyle, prompt_style
 
@@ -31,7 +34,8 @@ AUTOCAST = ("bfloat16", "float32")
 
 @dataclass
 class PretrainConfig:
-    """Supervised warm start of the lab model on solver traces. Defaults are the bundled model's."""
+    """Supervised warm start of the lab model on solver traces. Defaults: the from-scratch recipe (the bundled model
+    continued the previous lab model with ``init_from``; docs/lab_model.md has both runs)."""
 
     people: tuple[int, ...] = (2, 3)
     """People counts of the training puzzles (one count per batch, drawn with ``people_weights``)."""
@@ -41,10 +45,10 @@ class PretrainConfig:
     find and copy names from the quiz (until it can, the loss sits on a plateau near 0.9 nats per token)."""
     steps: int = 3700
     """Optimizer steps: the learning-rate schedule's length, and where the run stops (unless ``max_minutes`` or
-    ``stop_after`` stops it first). The bundled model ran them all."""
-    max_minutes: float = 90.0
-    """A wall-clock limit (the bundled model's 3,700 steps take about an hour on two cores; a run stopped by the clock
-    depends on the machine's speed, one stopped by ``steps`` does not)."""
+    ``stop_after`` stops it first)."""
+    max_minutes: float = 150.0
+    """A wall-clock limit (3,700 steps from scratch took 76 minutes on two cores; a run stopped by the clock depends on
+    the machine's speed, one stopped by ``steps`` does not)."""
     batch_size: int = 16
     lr: float = 1e-3
     """Peak AdamW learning rate (2e-3 kept the model on the plateau for 600 steps in our runs)."""
@@ -76,9 +80,13 @@ class PretrainConfig:
     people)."""
     stop_after: int | None = None
     """Stop after this many steps with the schedule still set by ``steps`` (None: run them all): what reproduces a
-    run that ``max_minutes`` stopped early, as the bundled model was (README, "The lab model")."""
+    run that ``max_minutes`` stopped early, as the previous lab model was (docs/lab_model.md)."""
     threads: int | None = None
     """torch threads (None: torch's default)."""
+    init_from: str | None = None
+    """A lab model folder to start from (``lab.model.start_from``: its weights, each token's embedding taken by token
+    string, so a model trained with another tokenizer can be carried over), with a fresh optimizer and this config's
+    schedule; None: random weights (``lab.model.build_model``)."""
     autocast: str = "bfloat16"
     """Precision of the training forward and backward: "bfloat16" (torch.autocast: matmuls in bf16, weights, loss
     and optimizer in float32; 2.2x faster steps on a CPU with AVX512-BF16, measured in benchmarks/README.md) or
@@ -120,6 +128,11 @@ class PretrainConfig:
         check.real("min_lr_ratio", 0.0, 1.0)
         check.real("weight_decay", low=0)
         check.real("grad_clip", low=0, low_open=True)
+        if self.init_from is not None:
+            check.need(
+                isinstance(self.init_from, str) and (Path(self.init_from) / "config.json").is_file(),
+                "init_from", f"must be a lab model folder (with a config.json), got {self.init_from!r}",
+            )  # fmt: skip
         trace_ok = self.trace is None or isinstance(self.trace, TraceStyle)
         check.need(trace_ok, "trace", "must be None, a lab.trace.TraceStyle or a dict of its fields")
         check.need(isinstance(self.spec, LabModelSpec), "spec", "must be a LabModelSpec or a dict of its fields")
@@ -227,7 +240,11 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
     torch.manual_seed(config.seed)
     start = time.perf_counter()
     tokenizer = build_tokenizer(seed=config.seed, style=config.trace)
-    model = build_model(tokenizer, config.spec, seed=config.seed)
+    mapped = None
+    if config.init_from is None:
+        model = build_model(tokenizer, config.spec, seed=config.seed)
+    else:
+        model, mapped = start_from(config.init_from, tokenizer, config.spec)
     model.train()
     stream = TraceStream(tokenizer, config)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -294,6 +311,7 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
         "minutes": (time.perf_counter() - start) / 60,
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
+        "init_from_vocab_share": mapped,
         "final_eval": final,
         "log": log,
         "torch": torch.__version__,

@@ -8,7 +8,7 @@
 # the direction of the update and the many high-probability tokens are barely (or wrongly) moved. This notebook shows
 # why, first with one softmax, then with a small policy trained four ways.
 #
-# **Run time** of a full run (QUICK = False) on a CPU: TODO(time).
+# **Run time** of a full run (QUICK = False) on a CPU: 13 s (one kernel thread).
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).

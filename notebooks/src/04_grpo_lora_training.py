@@ -26,7 +26,7 @@
 # Every few steps the trainer also measures, per probability bin, the share of the gradient (`grad/share_bin*`) and
 # how the update moved the tokens' probabilities (`shift/correct_pos_bin*`).
 #
-# **Run time** of a full run (QUICK = False) on a CPU: TODO(time) for the cells; training starts when you press Run.
+# **Run time** of a full run (QUICK = False) on a CPU: 301 s (one kernel thread), nearly all of it the panel's default run, which the cell below starts.
 #
 # On a CPU the panel's default is the demo's GRPO run (10 steps of 8 puzzles x 8 samples on the lab model) with test
 # evaluations at steps 5 and 10; what the demo's runs gave is in docs/demo.md.
@@ -66,6 +66,13 @@ env
 # is there to be tried), the steps, learning rate and batch shape, then press **Run**. The plots refresh after each
 # step; **Stop** ends the run after the current step, keeping every finished step's record and a checkpoint
 # (`lopti-lab train --run-dir <folder> --resume` continues it). Every run lands in its own folder under `runs/`.
+#
+# The **preset** picker sets the switches to any registered method, the paper's four and the token-level methods
+# that followed it (docs/methods.md): **forking tokens** (only the top-rho entropy tokens carry the gradient),
+# an **entropy advantage** (a capped entropy bonus on every token's advantage), and the **loss**: CISPO (the
+# importance weight clipped, never the token), Clip-Cov or KL-Cov (a few high-covariance tokens' gradient dropped or
+# penalised). They combine with AR and Lopti where the combination is defined; the others (e.g. Clip-Cov inside
+# Lopti's stages) are refused with the reason when you press Run.
 
 # %%
 base = notebook.training_defaults(env)
@@ -73,10 +80,13 @@ panel = widgets.TrainPanel(base=base, env=env)
 panel
 
 # %% [markdown]
-# In QUICK mode (and in the tests) the next cell presses Run itself and waits; otherwise press the button above.
+# The next cell presses Run itself with the panel's settings and waits for the run to end, so that "Run all" gives
+# a run and its figures (QUICK: 2 steps). Set `RUN_HERE = False` to drive the panel yourself; while this cell waits,
+# interrupt the kernel to end the run early (it stops after the current step, with a checkpoint).
 
 # %%
-if QUICK:
+RUN_HERE = True
+if RUN_HERE:
     panel.run(block=True)
     print(panel.status.value)
 

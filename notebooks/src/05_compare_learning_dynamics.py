@@ -5,7 +5,7 @@
 # accuracy over steps, final test accuracy by people count in the paper's layout, how much of the gradient each
 # probability bin carried, and whether the high-probability tokens moved the way their advantage asked.
 #
-# **Run time** of a full run (QUICK = False) on a CPU: TODO(time) with runs there; with none, it first runs the demo.
+# **Run time** of a full run (QUICK = False) on a CPU: 1013 s (one kernel thread) with no runs there, nearly all of it the demo that the next cell runs first; with runs there it skips the demo and only reads them.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -32,7 +32,8 @@ from pathlib import Path
 
 %matplotlib inline
 
-from lopti_lab import paper, plots, runs, widgets
+from lopti_lab import paper, plots, plots_methods, runs, widgets
+from lopti_lab.counterfactual import recorded_method_probes
 from lopti_lab.demo.config import DemoConfig
 from lopti_lab.demo.run import run_demo
 
@@ -80,15 +81,30 @@ plots.gradient_share(long)
 plots.correct_ratio(long)
 
 # %% [markdown]
+# ## Beyond the paper: where each token-level method puts the update
+#
+# The same measurements for the methods that followed the paper (docs/methods.md), on one frozen batch of the lab
+# model updated by each method from the same weights: each bin's share of the update's gradient and the share of its
+# A > 0 tokens that went up, by rollout-probability bin (where AR and Lopti act) and by the batch's entropy quartiles
+# (where forking tokens, the entropy advantage and Clip-Cov / KL-Cov act). Read from `benchmarks/method_probes.py`'s
+# output when you ran it, else from the run recorded with lopti_lab. Runs of these methods (`lopti-lab demo
+# --methods GRPO GRPO+Forking ...`, or notebook 04's preset picker) show in the panel above like any other.
+
+# %%
+probe_table, probe_source = recorded_method_probes()
+print("read", probe_source)
+plots_methods.method_probes(probe_table)
+
+# %% [markdown]
 # ## What differs by scale
 #
 # The paper trains Qwen2.5-3B and 7B with full fine-tuning, 64 puzzles x 8 responses per step for about 350 steps,
 # on responses up to 4096 tokens; its GRPO gets to 0.39 (3B) and 0.77 (7B) average accuracy, and AR + Lopti adds
-# 0.18 and 0.14. The lab model has a few million parameters, a vocabulary of under a thousand tokens and compact
+# 0.18 and 0.14. The lab model has a few million parameters, a vocabulary of about a thousand tokens and
 # traces of a few hundred tokens, and trains for ten steps on a CPU. Its token statistics differ (a small
 # vocabulary makes $\|e_y - \pi\|$ hug the upper bound less), and whether AR or Lopti helps it is a separate
 # experiment: read the spread across seeds before reading a difference.
 #
-# What the lab demo measured (`lopti-lab demo --seeds 5`: accuracy with its spread across seeds, paired differences
-# to GRPO, the gradient share per bin) is in docs/demo.md. Treat the accuracy comparison as a rehearsal of the method
+# What the lab demo measured (accuracy with its spread across seeds, paired differences to GRPO, the gradient share
+# per bin) is in docs/demo.md, for the current lab model and the previous one. Treat the accuracy comparison as a rehearsal of the method
 # at this scale, not a test of the paper's claim.

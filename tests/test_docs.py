@@ -1,0 +1,28 @@
+"""The user's pages: every relative link points at a file of the repo, and no placeholder is left for a number."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SOURCES = sorted((ROOT / "notebooks" / "src").glob("*.py"))
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+PLACEHOLDER = re.compile(r"TODO\(|RESULTS\(|TBD\b|XXX")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    missing = [
+        target
+        for target in LINK.findall(page.read_text())
+        if "://" not in target and not (page.parent / target).exists()
+    ]
+    assert not missing, f"{page.name} links to missing files: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES + SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_placeholder_is_left(page):
+    hits = [line.strip() for line in page.read_text().splitlines() if PLACEHOLDER.search(line)]
+    assert not hits, f"{page.name} still has placeholders: {hits[:3]}"
