@@ -26,3 +26,9 @@ def test_relative_links_resolve(page):
 def test_no_placeholder_is_left(page):
     hits = [line.strip() for line in page.read_text().splitlines() if PLACEHOLDER.search(line)]
     assert not hits, f"{page.name} still has placeholders: {hits[:3]}"
+
+
+def test_the_readme_stays_a_short_users_guide():
+    """Measurements and their history live in docs/ and benchmarks/README.md; the README stays under 15 KiB."""
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= 15 * 1024, f"README.md is {size} bytes: move detail to docs/"
