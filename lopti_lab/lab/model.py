@@ -81,9 +81,13 @@ def start_from(folder: str | Path, tokenizer, spec: LabModelSpec = LabModelSpec(
     old_vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab(with_added_tokens=True)
     new_vocab = tokenizer.get_vocab()
     model = build_model(tokenizer, spec)
-    state = {k: v for k, v in old.state_dict().items() if "embed_tokens" not in k and k != "lm_head.weight"}
+
+    def per_vocabulary(name: str) -> bool:  # the embedding and the output layer tied to it
+        return "embed_tokens" in name or name == "lm_head.weight"
+
+    state = {k: v for k, v in old.state_dict().items() if not per_vocabulary(k)}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or any("embed_tokens" not in k and k != "lm_head.weight" for k in missing):
+    if unexpected or not all(per_vocabulary(k) for k in missing):
         raise ValueError(f"{folder}: not a lab model of this shape (missing {missing}, unexpected {unexpected})")
     old_rows = old.get_input_embeddings().weight.detach()
     rows = model.get_input_embeddings().weight
