@@ -23,6 +23,7 @@ from lopti_lab.probes import (
     probability_shift,
     selective_sweep,
     selective_update,
+    selective_updates,
     to_metrics,
     token_stats,
 )
@@ -592,6 +593,25 @@ def test_selective_update_adamw_is_torchs_first_adamw_step(setup):
     assert not torch.allclose(out.shift.delta_p, sgd.shift.delta_p)
     with pytest.raises(ValueError, match="optimizer"):
         selective_update(model, ids, attn, mask, adv, optimizer="lion")
+
+
+def test_selective_updates_equal_one_selective_update_each(setup):
+    """The shared forward and float64 baseline change nothing: each set's result is selective_update's alone, for
+    both optimizers, and the weights come back bit for bit."""
+    model, ids, attn, mask, adv, _ = setup
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sets = [None, [3], [0, 1, 2], [1]]
+    for kw in ({"lr": 0.1}, {"lr": 1e-3, "optimizer": "adamw", "adam_eps": 1e-6}):
+        together = selective_updates(model, ids, attn, mask, adv, sets, **kw)
+        for chosen, joint in zip(sets, together, strict=True):
+            alone = selective_update(model, ids, attn, mask, adv, chosen, **kw)
+            assert (joint.update, joint.n_updated) == (alone.update, alone.n_updated)
+            assert joint.grad_norm == alone.grad_norm
+            assert torch.equal(joint.shift.delta_p, alone.shift.delta_p)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with pytest.raises(ValueError, match="update_bins"):
+        selective_updates(model, ids, attn, mask, adv, [None, [7]])
 
 
 def test_selective_sweep_grad_norms_match_the_loss_attribution(tokenizer):

@@ -42,7 +42,7 @@ from lopti_lab.methods import LOPTI_ETA, METHODS, run_name
 from lopti_lab.models import load_policy
 from lopti_lab.paths import data_dir
 from lopti_lab.pool import finished, train_while
-from lopti_lab.probes import selective_sweep, selective_update
+from lopti_lab.probes import selective_sweep, selective_updates
 from lopti_lab.train_config import TrainConfig
 
 __all__ = [
@@ -264,10 +264,12 @@ def decomposition(model, batch: FrozenBatch, optimizers, bins: Sequence[float] =
         setting = OPTIMIZER_SETTINGS[name]
         kw = {"lr": setting["lr"], "optimizer": setting["optimizer"], "adam_eps": setting["adam_eps"],
               "temperature": batch.temperature, "bins": bins}  # fmt: skip
-        moves = {}
-        for part, chosen in (("all", None), ("top", [top]), ("rest", list(range(top)))):
-            tokens = selective_update(*args, chosen, **kw).shift.tokens
-            moves[part] = tokens.sort_values(["seq", "pos"]).reset_index(drop=True)
+        parts = {"all": None, "top": [top], "rest": list(range(top))}
+        updates = selective_updates(*args, list(parts.values()), **kw)
+        moves = {
+            part: u.shift.tokens.sort_values(["seq", "pos"]).reset_index(drop=True)
+            for part, u in zip(parts, updates, strict=True)
+        }
         in_top = (moves["all"]["bin"] == top) & (moves["all"]["advantage"] > 0)
         d = {part: t.loc[in_top, "dlogp"].to_numpy() for part, t in moves.items()}
         norm = max(1e-300, float((d["all"] ** 2).sum()))

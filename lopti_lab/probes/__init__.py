@@ -65,6 +65,7 @@ from lopti_lab.probes.shift import (
     probability_shift,
     selective_sweep,
     selective_update,
+    selective_updates,
     shift_summary,
 )
 from lopti_lab.probes.token_stats import TokenStats, token_stats
@@ -82,6 +83,7 @@ __all__ = [
     "probability_shift",
     "selective_sweep",
     "selective_update",
+    "selective_updates",
     "shift_summary",
     "summarize",
     "to_metrics",

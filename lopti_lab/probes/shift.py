@@ -240,14 +240,7 @@ def selective_update(
     response_mask: torch.Tensor,
     advantages: torch.Tensor,
     update_bins: Sequence[int] | None = None,
-    *,
-    bins: Sequence[float] = DEFAULT_BINS,
-    lr: float = 1e-3,
-    params: Iterable[torch.Tensor] | None = None,
-    temperature: float = 1.0,
-    position_ids: torch.Tensor | None = None,
-    optimizer: str = "sgd",
-    adam_eps: float = 1e-8,
+    **kwargs,
 ) -> SelectiveUpdate:
     """One SGD step on the policy-gradient loss of the tokens of `update_bins` only, then every token's probability
     change, with the model's weights restored exactly afterwards (the paper's Fig. 1c: all bins; e: only bin 0;
@@ -261,17 +254,44 @@ def selective_update(
     The loss is the GRPO token mean at ratio 1, L = -(1/n) sum_{t in update_bins} A_t log pi(o_t), n counting ALL
     response tokens (as Lopti's stages do), so the update on all bins is exactly GRPO's first minibatch step. Bins are
     chosen by the model's own probabilities before the step. The model runs in eval mode (no dropout) throughout and
-    its mode is restored. `advantages` are (B, T) or (B,); pass AR-reweighted ones to see AR.
+    its mode is restored. `advantages` are (B, T) or (B,); pass AR-reweighted ones to see AR. Keyword arguments are
+    ``selective_updates``'s.
 
     Example: ``selective_update(model, ids, attn, resp_mask, adv, update_bins=[0]).shift.bins`` is Fig. 1e's data.
     """
+    return selective_updates(model, input_ids, attention_mask, response_mask, advantages, [update_bins], **kwargs)[0]
+
+
+def selective_updates(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    update_sets: Sequence[Sequence[int] | None],
+    *,
+    bins: Sequence[float] = DEFAULT_BINS,
+    lr: float = 1e-3,
+    params: Iterable[torch.Tensor] | None = None,
+    temperature: float = 1.0,
+    position_ids: torch.Tensor | None = None,
+    optimizer: str = "sgd",
+    adam_eps: float = 1e-8,
+) -> list[SelectiveUpdate]:
+    """``selective_update`` for each entry of ``update_sets`` (a list of bins, or None for all), each step taken from
+    the same weights, with the work they share done once: one forward whose graph every set's gradient is taken from,
+    and one float64 forward before the steps (every set's gradient is held at once: memory for one gradient per
+    set). Each result is the one ``selective_update`` alone gives."""
     edges = check_bins(bins)
     mask, T = _check_batch(input_ids, attention_mask, response_mask)
     adv = _check_like("advantages", advantages, mask, allow_per_sequence=True).detach()
     K = len(edges) - 1
-    chosen = list(range(K)) if update_bins is None else [int(k) for k in update_bins]
-    if not chosen or any(not 0 <= k < K for k in chosen):
-        raise ValueError(f"update_bins must name bins in 0..{K - 1}, got {update_bins!r}")
+    chosen_sets = []
+    for update_bins in update_sets:
+        chosen = list(range(K)) if update_bins is None else [int(k) for k in update_bins]
+        if not chosen or any(not 0 <= k < K for k in chosen):
+            raise ValueError(f"update_bins must name bins in 0..{K - 1}, got {update_bins!r}")
+        chosen_sets.append(chosen)
     if not lr > 0:
         raise ValueError(f"lr must be positive, got {lr}")
     if optimizer not in ("sgd", "adamw") or not adam_eps > 0:
@@ -280,38 +300,46 @@ def selective_update(
     params = [p for _, p in named]
     was_training = model.training
     model.eval()
+    results = []
     try:
         logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)  # (B, T)
-        old_logp = logp.detach()
-        in_update = mask & torch.isin(bin_index(old_logp.exp(), edges), torch.tensor(chosen, device=mask.device))
-        loss = -(adv * logp).masked_fill(~in_update, 0).sum() / mask.sum().clamp_min(1)
-        grads = [_or_zeros(g, p) for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params)]
-        grad_norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
-        if optimizer == "adamw":  # AdamW's first step: m_hat = g, v_hat = g^2
-            grads = [g / (g.abs() + adam_eps) for g in grads]
-        saved = [p.detach().clone() for p in params]
-        # the shift is measured in float64 forwards before and after the step (probability_shift)
+        bin_of = bin_index(logp.detach().exp(), edges)
+        # the shift is measured in float64 forwards before and after each step (probability_shift)
         with torch.no_grad(), in_float64(model):
             old_logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)
-        try:
-            with torch.no_grad():
-                for p, g in zip(params, grads):
-                    p.add_(g, alpha=-lr)
-                with in_float64(model):
-                    new_logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)
-        finally:
-            with torch.no_grad():
-                for p, s in zip(params, saved):
-                    p.copy_(s)
+        steps = []  # every set's gradient before any step: a step changes the weights the graph holds
+        for i, chosen in enumerate(chosen_sets):
+            in_update = mask & torch.isin(bin_of, torch.tensor(chosen, device=mask.device))
+            loss = -(adv * logp).masked_fill(~in_update, 0).sum() / mask.sum().clamp_min(1)
+            raw = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=i < len(chosen_sets) - 1)
+            grads = [_or_zeros(g, p) for g, p in zip(raw, params)]
+            grad_norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+            if optimizer == "adamw":  # AdamW's first step: m_hat = g, v_hat = g^2
+                grads = [g / (g.abs() + adam_eps) for g in grads]
+            steps.append((chosen, in_update, grad_norm, grads))
+        del logp
+        saved = [p.detach().clone() for p in params]
+        for chosen, in_update, grad_norm, grads in steps:
+            try:
+                with torch.no_grad():
+                    for p, g in zip(params, grads):
+                        p.add_(g, alpha=-lr)
+                    with in_float64(model):
+                        new_logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)
+            finally:
+                with torch.no_grad():
+                    for p, s in zip(params, saved):
+                        p.copy_(s)
+            all_bins = sorted(set(chosen)) == list(range(K))
+            results.append(SelectiveUpdate(
+                update="all" if all_bins else "+".join(f"bin{k}" for k in sorted(set(chosen))),
+                grad_norm=grad_norm,
+                n_updated=int(in_update.sum()),
+                shift=probability_shift(old_logp, new_logp, adv, mask, edges),
+            ))  # fmt: skip
     finally:
         model.train(was_training)
-    name = "all" if sorted(set(chosen)) == list(range(K)) else "+".join(f"bin{k}" for k in sorted(set(chosen)))
-    return SelectiveUpdate(
-        update=name,
-        grad_norm=grad_norm,
-        n_updated=int(in_update.sum()),
-        shift=probability_shift(old_logp, new_logp, adv, mask, edges),
-    )
+    return results
 
 
 def selective_sweep(
@@ -328,10 +356,8 @@ def selective_sweep(
     ...); `grads` has one row per update: update, grad_norm, n_updated. `plots.fig1(tokens, grads)` draws it.
     """
     K = len(check_bins(kwargs.get("bins", DEFAULT_BINS))) - 1
-    runs = [
-        selective_update(model, input_ids, attention_mask, response_mask, advantages, which, **kwargs)
-        for which in [None, *([k] for k in range(K))]
-    ]
+    sets = [None, *([k] for k in range(K))]
+    runs = selective_updates(model, input_ids, attention_mask, response_mask, advantages, sets, **kwargs)
     tokens = pd.concat([r.shift.tokens.assign(update=r.update) for r in runs], ignore_index=True)
     grads = pd.DataFrame([{"update": r.update, "grad_norm": r.grad_norm, "n_updated": r.n_updated} for r in runs])
     return tokens, grads
