@@ -1,5 +1,6 @@
 """The token-level methods side by side: where each method's update puts the gradient, by probability bin and by
-entropy bin, and how many A > 0 tokens it moves the right way (``counterfactual.method_probes``'s table).
+entropy bin, and how many A > 0 tokens it moves the right way (``counterfactual.method_probes``'s table), and how
+each method's accuracy differs from GRPO's, seed by seed (``demo.report.paired_per_seed``).
 
 One heatmap per (binning, measure): a row per method in the table's order, a column per bin, the value in each cell
 (a reader compares rows, so the numbers are printed, not only coloured). Built on ``matplotlib.figure.Figure`` like
@@ -12,7 +13,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-__all__ = ["method_probes"]
+__all__ = ["method_probes", "paired_differences"]
 
 MEASURES = {"grad_share": "gradient share", "correct_ratio": "correct ratio (A > 0)"}
 BINNINGS = {"probability": "rollout probability bin", "entropy": "entropy quartile of the batch"}
@@ -43,4 +44,34 @@ def method_probes(table: pd.DataFrame) -> Figure:
             ax.set_yticks(range(len(methods)), methods if col == 0 else [""] * len(methods), fontsize=8)
             ax.set_title(f"{title}, by {BINNINGS[binning]}", fontsize=9)
             fig.colorbar(image, ax=ax, shrink=0.8)
+    return fig
+
+
+def paired_differences(diffs: pd.DataFrame, intervals: pd.DataFrame) -> Figure:
+    """A forest plot per column of the accuracy table (each people count, their average): a row per method, its
+    difference to GRPO at each seed (dots), their mean and 95% interval (bar); the line at 0 is GRPO. ``diffs``:
+    ``demo.report.paired_per_seed``'s rows; ``intervals``: ``demo.report.paired_intervals`` of them."""
+    missing = {"model", "column", "seed", "diff"} - set(diffs.columns)
+    missing |= {"model", "column", "mean", "ci95"} - set(intervals.columns)
+    if missing or diffs.empty:
+        raise ValueError(f"paired_differences needs rows with the columns {sorted(missing) or 'of paired_per_seed'}")
+    models = list(dict.fromkeys(diffs["model"]))
+    columns = list(dict.fromkeys(diffs["column"]))
+    fig = Figure(figsize=(3.6 * len(columns) + 1.6, 0.8 + 0.36 * len(models)), layout="constrained")
+    axes = fig.subplots(1, len(columns), squeeze=False, sharey=True)[0]
+    y = {m: len(models) - 1 - i for i, m in enumerate(models)}
+    for ax, column in zip(axes, columns, strict=True):
+        part = diffs[diffs["column"] == column]
+        ax.axvline(0.0, color="0.3", lw=1)
+        ax.scatter(part["diff"], part["model"].map(y), s=14, color="0.55", zorder=2, label="one seed")
+        summary = intervals[intervals["column"] == column]
+        ci = summary["ci95"].fillna(0.0)
+        ax.errorbar(summary["mean"], summary["model"].map(y), xerr=ci, fmt="o", color="C0", ms=5, capsize=3,
+                    zorder=3, label="mean, 95% interval")  # fmt: skip
+        title = f"{column[:-3]} people" if column.endswith("ppl") else column
+        ax.set_title(f"{title}: method - GRPO", fontsize=9)
+        ax.set_xlabel("accuracy difference, paired by seed", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(list(y.values()), [m.removeprefix("+ ") for m in y], fontsize=8)
+    axes[-1].legend(fontsize=7, loc="lower right")
     return fig

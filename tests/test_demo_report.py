@@ -2,9 +2,11 @@
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
+from lopti_lab import plots_methods
 from lopti_lab.demo import report as demo_report
 from lopti_lab.demo import stats
 from lopti_lab.demo.config import DemoConfig
@@ -62,6 +64,35 @@ def test_paired_differences_to_grpo_report_ties_apart():
     assert (ar["above"], ar["level"], ar["below"]) == (2, 1, 0)
     one_seed = _frame()[lambda f: f["seed"] == 0]
     assert demo_report.paired_vs_grpo(one_seed).empty
+
+
+def test_paired_per_seed_subtracts_grpo_of_the_same_seed_and_the_plot_draws_every_seed():
+    frame = _frame()
+    frame["2ppl"] = frame["avg"] - 0.1
+    frame.loc[(frame["model"] == "+ GRPO + AR") & (frame["seed"] == 2), "2ppl"] = 0.70  # GRPO's seed 2: 0.75
+    diffs = demo_report.paired_per_seed(frame, ["2ppl", "avg"])
+    assert set(diffs["model"]) == {"+ GRPO + AR"} and len(diffs) == 6  # GRPO itself and the warm start: no row
+    two = diffs[diffs["column"] == "2ppl"].set_index("seed")["diff"]
+    np.testing.assert_allclose(two.loc[[0, 1, 2]], [0.0, 0.05, -0.05], atol=1e-12)
+    intervals = demo_report.paired_intervals(diffs).set_index("column")
+    assert intervals.loc["2ppl", "mean"] == pytest.approx(0.0, abs=1e-12) and intervals.loc["2ppl", "n"] == 3
+    assert intervals.loc["avg", "ci95"] == pytest.approx(4.302653 * 0.05 / math.sqrt(3) / math.sqrt(3), rel=1e-5)
+    fig = plots_methods.paired_differences(diffs, demo_report.paired_intervals(diffs))
+    axes = fig.axes
+    assert [a.get_title() for a in axes] == ["2 people: method - GRPO", "avg: method - GRPO"]
+    dots = axes[0].collections[0].get_offsets()
+    np.testing.assert_allclose(sorted(dots[:, 0]), [-0.05, 0.0, 0.05], atol=1e-12)
+    assert demo_report.paired_per_seed(frame[frame["model"] != "+ GRPO"]).empty
+    with pytest.raises(ValueError, match="paired_differences"):
+        plots_methods.paired_differences(diffs.iloc[:0], demo_report.paired_intervals(diffs))
+
+
+def test_recorded_comparison_reads_the_study_folder_first(tmp_path):
+    frame, source = demo_report.recorded_comparison(tmp_path / "none")
+    assert source.name == "comparison_sample.csv" and {"model", "seed", "avg"} <= set(frame.columns)
+    _frame().to_csv(tmp_path / "accuracy_sample.csv", index=False)
+    frame, source = demo_report.recorded_comparison(tmp_path)
+    assert source == tmp_path / "accuracy_sample.csv" and len(frame) == 7
 
 
 def test_markdown_and_verdict_with_several_seeds():

@@ -33,7 +33,7 @@ DEMO_TRAIN = {
     "group_size": 8,
     "temperature": 1.0,
     "max_new_tokens": 640,
-    "lr": 1e-3,
+    "lr": 5e-4,
     "adam_eps": 1e-3,
     "minibatch_size": 32,
     "kl_coef": 0.0,
@@ -47,7 +47,8 @@ DEMO_TRAIN = {
 """The demo's TrainConfig fields where they differ from TrainConfig's defaults (docs/demo.md gives the reasons):
 the bundled lab model with full fine-tuning on its 2-3-person puzzles; 8 puzzles x 8 rollouts per step at T = 1.0,
 the sampled evaluation's temperature, so that training sees the slips the evaluation counts; two minibatches per
-step; AdamW lr 1e-3 with epsilon 1e-3 (at 1e-8 Adam's first steps move every parameter by about lr whatever its
+step; AdamW lr 5e-4 (chosen on GRPO alone on the current lab model: docs/methods.md; 1e-3, chosen on the previous
+one, overshoots it) with epsilon 1e-3 (at 1e-8 Adam's first steps move every parameter by about lr whatever its
 gradient, and the parameters whose gradients are sampling noise wreck the lab model); 10 steps; the test split
 sampled twice per puzzle at the end."""
 

@@ -64,8 +64,9 @@ OPTIMIZER_SETTINGS: dict[str, dict] = {
 }
 """The optimizer settings compared, fixed before any run (docs/mechanism.md): the paper's Fig. 1 / Fig. 3 SGD (lr
 1e-3, no momentum, no weight decay); AdamW at torch's epsilon 1e-8, as the paper trains, at lr 5e-5 (the largest lr
-that did not break the lab model at that epsilon in the demo's GRPO sweep); and the demo's AdamW (lr 1e-3, epsilon
-1e-3). Each run's TrainConfig takes these fields from its setting."""
+that did not break the lab model at that epsilon in the demo's GRPO sweep); and the demo's AdamW as it stood when
+this study was fixed (lr 1e-3, epsilon 1e-3; the demo's lr is 5e-4 since). Each run's TrainConfig takes these fields
+from its setting."""
 
 OPTIMIZER_FIELDS = ("optimizer", "lr", "adam_eps", "weight_decay")
 """The TrainConfig fields an optimizer setting sets."""

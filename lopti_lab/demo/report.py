@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
 
-from lopti_lab import plots, runs
+from lopti_lab import plots, plots_methods, runs
 from lopti_lab.counterfactual import Counterfactual
 from lopti_lab.demo.config import DemoConfig
 from lopti_lab.demo.stats import ci95
+from lopti_lab.paths import data_dir
 
 WARM = "Lab model (warm start)"
 GRPO_ROW = "+ GRPO"
@@ -72,15 +74,30 @@ def gains_per_seed(frame: pd.DataFrame, column: str = "avg") -> pd.DataFrame:
     return table
 
 
+def paired_per_seed(frame: pd.DataFrame, columns: Sequence[str] = ("avg",)) -> pd.DataFrame:
+    """Each method minus GRPO at the same seed (same puzzles in the same order, same sampling seed), for each of
+    ``columns`` of `accuracy_table`'s frame: one row per (model, column, seed) with its ``diff``. Empty without GRPO."""
+    rows = []
+    for column in columns:
+        wide = frame[frame["model"] != WARM].pivot(index="seed", columns="model", values=column)
+        if GRPO_ROW not in wide.columns:
+            continue
+        order = [m for m in dict.fromkeys(frame["model"]) if m not in (WARM, GRPO_ROW)]
+        for model in order:
+            for seed, diff in (wide[model] - wide[GRPO_ROW]).dropna().items():
+                rows.append({"model": model, "column": column, "seed": int(seed), "diff": float(diff)})
+    return pd.DataFrame(rows, columns=["model", "column", "seed", "diff"])
+
+
 def paired_vs_grpo(frame: pd.DataFrame, column: str = "avg") -> pd.DataFrame:
-    """Each method minus GRPO at the same seed (same puzzles in the same order, same sampling seed): mean, 95% CI
-    half-width and the seeds where it was above / level / below. Empty without GRPO or with one seed."""
-    wide = frame[frame["model"] != WARM].pivot(index="seed", columns="model", values=column)
-    if GRPO_ROW not in wide.columns or len(wide) < 2:
+    """`paired_per_seed` of one column summarised: per method the mean difference to GRPO, its 95% CI half-width and
+    the seeds where it was above / level / below. Empty without GRPO or with one seed."""
+    diffs = paired_per_seed(frame, [column])
+    if diffs.empty or diffs["seed"].nunique() < 2:
         return pd.DataFrame(columns=["mean", "ci95", "above", "level", "below"])
     rows = {}
-    for model in [m for m in wide.columns if m != GRPO_ROW]:
-        diff = (wide[model] - wide[GRPO_ROW]).dropna()
+    for model, part in diffs.groupby("model", sort=False):
+        diff = part["diff"]
         rows[model] = {
             "mean": diff.mean(),
             "ci95": ci95(diff),
@@ -89,6 +106,22 @@ def paired_vs_grpo(frame: pd.DataFrame, column: str = "avg") -> pd.DataFrame:
             "below": int((diff < -1e-12).sum()),
         }
     return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def paired_intervals(diffs: pd.DataFrame) -> pd.DataFrame:
+    """`paired_per_seed`'s rows summarised per (model, column): mean difference, 95% CI half-width (t over seeds), n."""
+    grouped = diffs.groupby(["model", "column"], sort=False)["diff"]
+    return grouped.agg(mean="mean", ci95=ci95, n="count").reset_index()
+
+
+def recorded_comparison(folder: str | Path = "reports/methods") -> tuple[pd.DataFrame, Path]:
+    """(a study's sampled `accuracy_table` frame, where it was read): ``folder``'s accuracy_sample.csv when `lopti-lab
+    demo --out folder` wrote one there, else the token-credit comparison recorded with lopti_lab
+    (``data/methods/comparison_sample.csv``; docs/methods.md says how it was run)."""
+    for file in (Path(folder) / "accuracy_sample.csv", data_dir() / "methods" / "comparison_sample.csv"):
+        if file.is_file():
+            return pd.read_csv(file), file
+    raise FileNotFoundError(f"no accuracy_sample.csv in {folder} or comparison_sample.csv in {data_dir() / 'methods'}")
 
 
 def _markdown(mean: pd.DataFrame, spread: pd.DataFrame | None) -> str:
@@ -232,7 +265,8 @@ def write_report(
 ) -> Path:
     """Everything a reader needs from the demo, as files in ``out``: metrics.csv, accuracy_{sample,greedy}.{csv,md},
     gains_sample.csv, learning_curves.png, gradient_share.png, correct_ratio.png, counterfactual.csv, mechanism.png
-    and mechanism.csv (with probes on), summary.json and report.md."""
+    and mechanism.csv (with probes on), paired_vs_grpo_sample.csv and paired_differences.png (with GRPO and more
+    than one seed), summary.json and report.md."""
     long = runs.compare(list(run_dirs.values()))
     long.to_csv(out / "metrics.csv", index=False)
     tables, means, frames = {}, {}, {}
@@ -253,6 +287,11 @@ def write_report(
         "gradient_share.png": plots.gradient_share(long),
         "correct_ratio.png": plots.fig2(shift=shift.bins),
     }
+    people = [f"{n}ppl" for n in config.train.eval_people]
+    diffs = paired_per_seed(frames["sample"], [*people, "avg"])
+    if config.seeds > 1 and not diffs.empty:  # each method against GRPO, seed by seed
+        diffs.to_csv(out / "paired_vs_grpo_sample.csv", index=False)
+        figures["paired_differences.png"] = plots_methods.paired_differences(diffs, paired_intervals(diffs))
     mechanism = ""
     if config.train.probe_every > 0:  # the probe steps' bins over training (Fig. 1a, 1d and 2b per step)
         figures["mechanism.png"] = plots.mechanism_over_steps(long)
@@ -279,6 +318,7 @@ def write_report(
         "frozen": _frozen_batch_markdown(shift.bins),
         "mechanism": mechanism,
         "reused": reused,
+        "paired": "paired_differences.png" in figures,
     }
     (out / "report.md").write_text(_report_text(config, tables, parts, verdict, minutes))
     return out
@@ -288,6 +328,13 @@ def _reused_text(reused: int, total: int) -> str:
     if not reused:
         return ""
     return f" ({reused} of the {total} runs were complete from an earlier invocation and reused: minutes of this one)"
+
+
+def _paired_text(shown: bool) -> str:
+    if not shown:
+        return ""
+    return """- `paired_differences.png` (`paired_vs_grpo_sample.csv`): each method's sampled accuracy minus GRPO's at
+  the same seed, per people count and their average: one dot per seed, the mean and its 95% interval over seeds."""
 
 
 def _training_mechanism_text(table: str) -> str:
@@ -344,9 +391,11 @@ rollout policy (tokens in brackets; the paper's Fig. 2b):
   positive-advantage tokens whose probability went up, per probability bin (the paper's Fig. 2b).
 - `mechanism.png`: the same quantities during training, at every probe step: each bin's share of the tokens and of
   the gradient, and the correct ratio of the step's update among the tokens that moved (mean over seeds).
+{_paired_text(parts["paired"])}
 
 ![learning curves](learning_curves.png)
 ![gradient share](gradient_share.png)
 ![correct ratio](correct_ratio.png)
 {"![mechanism over training](mechanism.png)" if config.train.probe_every > 0 else ""}
+{"![paired differences to GRPO](paired_differences.png)" if parts["paired"] else ""}
 """
