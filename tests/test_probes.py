@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -612,6 +613,21 @@ def test_selective_updates_equal_one_selective_update_each(setup):
         assert torch.equal(v, before[k]), k
     with pytest.raises(ValueError, match="update_bins"):
         selective_updates(model, ids, attn, mask, adv, [None, [7]])
+
+
+def test_selective_updates_take_the_gradient_of_a_float32_model(setup):
+    """A float32 model (as trained; the other tests' models are float64): the float64 measurement forwards swap the
+    weights' storage, and a gradient taken from a graph built before such a swap finds no weight (every grad None):
+    each set's gradient norm must still be the hand-computed one."""
+    model, ids, attn, mask, adv, _ = setup
+    model = copy.deepcopy(model).float()
+    out = selective_updates(model, ids, attn, mask, adv, [None, [0]], lr=1e-3)
+    params = [p for _, p in trainable(model)]
+    loss = -(adv[:, None].float() * _common._response_logp(model, ids, attn, mask.shape[1]))[mask].sum() / mask.sum()
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads if g is not None))
+    assert norm > 0 and out[0].grad_norm == pytest.approx(norm, rel=1e-5)
+    assert out[1].grad_norm > 0 and bool((out[0].shift.delta_p != 0).any())
 
 
 def test_selective_sweep_grad_norms_match_the_loss_attribution(tokenizer):

@@ -304,9 +304,6 @@ def selective_updates(
     try:
         logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)  # (B, T)
         bin_of = bin_index(logp.detach().exp(), edges)
-        # the shift is measured in float64 forwards before and after each step (probability_shift)
-        with torch.no_grad(), in_float64(model):
-            old_logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)
         steps = []  # every set's gradient before any step: a step changes the weights the graph holds
         for i, chosen in enumerate(chosen_sets):
             in_update = mask & torch.isin(bin_of, torch.tensor(chosen, device=mask.device))
@@ -318,6 +315,10 @@ def selective_updates(
                 grads = [g / (g.abs() + adam_eps) for g in grads]
             steps.append((chosen, in_update, grad_norm, grads))
         del logp
+        # the shift is measured in float64 forwards before and after each step (probability_shift); only once every
+        # gradient is taken: in_float64 swaps the weights' storage, which the graph above must not see
+        with torch.no_grad(), in_float64(model):
+            old_logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)
         saved = [p.detach().clone() for p in params]
         for chosen, in_update, grad_norm, grads in steps:
             try:

@@ -6,7 +6,7 @@
 # bin, and reproduce the paper's Fig. 1 and Fig. 2 with our probes. At the end, one frozen batch is updated four
 # ways (GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti) from the same weights to see what each fix changes.
 #
-# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 98 s (one kernel thread, measured while a two-process training study ran on the same two cores).
+# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 496 s (one kernel thread, measured while another notebook ran on the second core).
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -41,8 +41,8 @@ env
 # %%
 lora = None if env.lora_r is None else models.LoraSpec(r=env.lora_r)
 model, tokenizer = models.load_policy(env.model, lora=lora, device=env.device)
-puzzles = kk.load_split("train", [3], limit=2 if QUICK else 4)
-batch = counterfactual.frozen_batch(model, tokenizer, puzzles, group_size=4 if QUICK else 6,
+puzzles = kk.load_split("train", [3], limit=2 if QUICK else 6)
+batch = counterfactual.frozen_batch(model, tokenizer, puzzles, group_size=4 if QUICK else 8,
                                  prompt_style=env.prompt_style, temperature=1.0,
                                  max_new_tokens=640 if env.model == "lab" else 1024)
 rollout = batch.rollout
