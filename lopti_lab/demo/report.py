@@ -78,11 +78,11 @@ def paired_per_seed(frame: pd.DataFrame, columns: Sequence[str] = ("avg",)) -> p
     """Each method minus GRPO at the same seed (same puzzles in the same order, same sampling seed), for each of
     ``columns`` of `accuracy_table`'s frame: one row per (model, column, seed) with its ``diff``. Empty without GRPO."""
     rows = []
+    order = [m for m in dict.fromkeys(frame["model"]) if m not in (WARM, GRPO_ROW)]
     for column in columns:
         wide = frame[frame["model"] != WARM].pivot(index="seed", columns="model", values=column)
         if GRPO_ROW not in wide.columns:
             continue
-        order = [m for m in dict.fromkeys(frame["model"]) if m not in (WARM, GRPO_ROW)]
         for model in order:
             for seed, diff in (wide[model] - wide[GRPO_ROW]).dropna().items():
                 rows.append({"model": model, "column": column, "seed": int(seed), "diff": float(diff)})

@@ -177,7 +177,9 @@ def in_float64(model: nn.Module) -> Iterator[nn.Module]:
     float32 -> float64 -> float32 (and bf16 -> float64 -> bf16) round-trips bit for bit, so the weights, and an
     optimizer holding them, are exactly as before. RMSNorm modules (those with a ``variance_epsilon``, as in Qwen2,
     Llama and Mistral), which transformers computes in float32 even for float64 inputs, run in float64 too inside
-    the block. For measurements only: about 2x a float32 forward on a CPU."""
+    the block. For measurements only: about 2x a float32 forward on a CPU. Take every gradient before entering it: a
+    dtype change gives each weight a new gradient accumulator, so a graph built before the block finds no weight
+    (``autograd.grad`` returns None for all of them)."""
     saved = {id(t): (t, t.dtype) for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}
     norms = [m for m in model.modules() if hasattr(m, "variance_epsilon") and isinstance(m.weight, torch.Tensor)]
     for t, _ in saved.values():
