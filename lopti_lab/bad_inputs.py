@@ -133,6 +133,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "eval_max_new_tokens": [("out of range", 0)],
         "probe_every": [("out of range", -1)],
         "shift_every": [("out of range", -1)],
+        "shift_rows": [("out of range", 0)],
         "probe_bins": [("does not reach 1", (0.0, 0.5)), ("not increasing", (0.0, 0.5, 0.5, 1.0))],
         "save_every": [("out of range", -1)],
         "run_dir": [("empty", "")],

@@ -169,7 +169,7 @@ class Fig3Batch:
     taken when this is built (before the update); ``after(model)`` takes them again and returns the metrics."""
 
     def __init__(self, model: torch.nn.Module, rollout: Rollout, advantages: torch.Tensor, cfg: TrainConfig):
-        self.rows = positive_rows(advantages)  # (k,): the advantages before AR, as the paper's code bins them
+        self.rows = positive_rows(advantages, cfg.shift_rows)  # (k,): by the advantages before AR, as the paper's code
         self.cfg, self.rollout = cfg, rollout
         self.before = self._logprobs(model) if len(self.rows) else {}
 

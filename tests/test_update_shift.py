@@ -2,6 +2,7 @@
 plain float64 copies of the model, and inside training at every step."""
 
 import copy
+import itertools
 import math
 from dataclasses import replace
 
@@ -33,6 +34,16 @@ def test_the_docstrings_worked_example_counts_zeros_both_ways():
 
 def test_only_rows_with_a_positive_advantage_are_measured():
     assert positive_rows(torch.tensor([0.5, -1.0, 0.0, 2.0])).tolist() == [0, 3]
+
+
+def test_a_row_limit_keeps_positive_rows_evenly_spaced_and_distinct():
+    advantages = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, 0.3, 0.1])  # positive rows 0, 2, 4, 5, 6
+    assert positive_rows(advantages, limit=3).tolist() == [0, 4, 6]
+    assert positive_rows(advantages, limit=5).tolist() == [0, 2, 4, 5, 6]
+    assert positive_rows(advantages, limit=9).tolist() == [0, 2, 4, 5, 6]
+    many = positive_rows(torch.ones(64), limit=8).tolist()
+    assert len(set(many)) == 8 and many == sorted(many) and many[0] == 0 and many[-1] == 63
+    assert max(b - a for a, b in itertools.pairwise(many)) <= 10  # spread over the batch, not its head
 
 
 def test_fig3_matches_a_per_token_count_from_float64_copies(model_dir):
@@ -101,6 +112,11 @@ def test_training_measures_fig3_at_every_step_with_the_real_update(model_dir, tm
         assert record["time/shift"] > 0
     off = train(replace(cfg, shift_every=0, run_dir=str(tmp_path / "off"))).history
     assert not any(k.startswith("fig3/") for r in off for k in r)
+    one = train(replace(cfg, shift_rows=1, run_dir=str(tmp_path / "one"))).history  # one rollout's tokens at most
+    for a, b in zip(history, one, strict=True):
+        if a["groups/zero_var_share"] < 1.0:
+            assert 0 < sum(b[f"fig3/q/n_bin{i}"] for i in range(4)) <= b["len/response_max"]
+            assert sum(b[f"fig3/q/n_bin{i}"] for i in range(4)) <= sum(a[f"fig3/q/n_bin{i}"] for i in range(4))
     # measuring changes nothing about training (no RNG drawn, weights restored to their dtype)
     for a, b in zip(history, off, strict=True):
         assert a["reward/mean"] == b["reward/mean"] and a["loss/policy"] == b["loss/policy"]

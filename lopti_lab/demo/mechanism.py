@@ -77,12 +77,14 @@ MECHANISM_TRAIN = {
     "minibatch_size": 32,
     "steps": 5,
     "shift_every": 1,
+    "shift_rows": None,
     "probe_every": 0,
     "eval_people": (),
 }
 """The runs' shared settings: the demo's (lab model, 2-3 people, 8 rollouts at T = 1.0, no KL, clip 1.0) with the
 batch scaled down to 4 puzzles x 8 rollouts in one minibatch per stage, 5 steps, the Fig. 3 measurement at every
-step and no test evaluation (the runs measure the mechanism, not accuracy)."""
+step on every positive-advantage rollout (as the paper's code) and no test evaluation (the runs measure the
+mechanism, not accuracy)."""
 
 
 def mechanism_train(**changes) -> TrainConfig:

@@ -41,8 +41,8 @@ env
 # %%
 lora = None if env.lora_r is None else models.LoraSpec(r=env.lora_r)
 model, tokenizer = models.load_policy(env.model, lora=lora, device=env.device)
-puzzles = kk.load_split("train", [3], limit=2 if QUICK else 6)
-batch = counterfactual.frozen_batch(model, tokenizer, puzzles, group_size=4 if QUICK else 8,
+puzzles = kk.load_split("train", [3], limit=2 if QUICK else 4)
+batch = counterfactual.frozen_batch(model, tokenizer, puzzles, group_size=4 if QUICK else 6,
                                  prompt_style=env.prompt_style, temperature=1.0,
                                  max_new_tokens=640 if env.model == "lab" else 1024)
 rollout = batch.rollout

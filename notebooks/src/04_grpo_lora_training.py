@@ -116,7 +116,7 @@ if panel.result is not None:
 # ```bash
 # lopti-lab train --model lab --lora-r none --ar 0.3 --lopti 0.5 --steps 10 \
 #     --train-people 2 3 --prompts-per-step 8 --group-size 8 --minibatch-size 32 --max-new-tokens 640 \
-#     --temperature 1.0 --lr 1e-3 --adam-eps 1e-3 --kl-coef 0 --run-dir runs/ar_lopti
+#     --temperature 1.0 --lr 5e-4 --adam-eps 1e-3 --kl-coef 0 --run-dir runs/ar_lopti
 # lopti-lab eval --run runs/ar_lopti --people 2 3
 # ```
 #

@@ -5,7 +5,7 @@
 # accuracy over steps, final test accuracy by people count in the paper's layout, how much of the gradient each
 # probability bin carried, and whether the high-probability tokens moved the way their advantage asked.
 #
-# **Run time** of a full run (QUICK = False) on a CPU: 1013 s (one kernel thread) with no runs there, nearly all of it the demo that the next cell runs first; with runs there it skips the demo and only reads them.
+# **Run time** of a full run (QUICK = False) on a CPU: 565 s (one kernel thread) with no runs there, nearly all of it the demo that the next cell runs first; with runs there it skips the demo and only reads them.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -35,6 +35,7 @@ from pathlib import Path
 from lopti_lab import paper, plots, plots_methods, runs, widgets
 from lopti_lab.counterfactual import recorded_method_probes
 from lopti_lab.demo.config import DemoConfig
+from lopti_lab.demo.report import paired_intervals, paired_per_seed, recorded_comparison
 from lopti_lab.demo.run import run_demo
 
 # %% [markdown]
@@ -94,6 +95,23 @@ plots.correct_ratio(long)
 probe_table, probe_source = recorded_method_probes()
 print("read", probe_source)
 plots_methods.method_probes(probe_table)
+
+# %% [markdown]
+# ## The token-credit comparison: each method against GRPO, seed by seed
+#
+# The eleven methods trained under the same settings with three seeds (docs/methods.md: the settings were fixed on
+# GRPO alone before the others ran). Each dot is one seed's sampled test accuracy minus GRPO's at the same seed (same
+# puzzles, same warm start, same evaluation sampling seed); the bar is the mean and its 95% interval over the seeds.
+# An interval that crosses 0 is a method this comparison cannot tell from GRPO. Read from `reports/methods` if you
+# ran the comparison's command, else from the comparison recorded with lopti_lab.
+
+# %%
+accuracy, source = recorded_comparison()
+print("read", source)
+diffs = paired_per_seed(accuracy, [c for c in accuracy.columns if c.endswith("ppl") or c == "avg"])
+intervals = paired_intervals(diffs)
+display(intervals.query("column == 'avg'").drop(columns="column").set_index("model").round(3))
+plots_methods.paired_differences(diffs, intervals)
 
 # %% [markdown]
 # ## What differs by scale
