@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="puzzles per step (the demo: 8)")
     parser.add_argument("--method", default="GRPO", choices=list(METHODS))
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
-    parser.add_argument("--shift-rows", default="8", help="TrainConfig.shift_rows: an int, or 'all'")
+    parser.add_argument("--shift-rows", default="4", help="TrainConfig.shift_rows: an int, or 'all'")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:

@@ -26,7 +26,7 @@
 # Every few steps the trainer also measures, per probability bin, the share of the gradient (`grad/share_bin*`) and
 # how the update moved the tokens' probabilities (`shift/correct_pos_bin*`).
 #
-# **Run time** of a full run (QUICK = False) on a CPU: 301 s (one kernel thread), nearly all of it the panel's default run, which the cell below starts.
+# **Run time** of a full run (QUICK = False) on a CPU: 496 s (one kernel thread, built while notebook 02 ran on the second core), nearly all of it the panel's default run, which the cell below starts.
 #
 # On a CPU the panel's default is the demo's GRPO run (10 steps of 8 puzzles x 8 samples on the lab model) with test
 # evaluations at steps 5 and 10; what the demo's runs gave is in docs/demo.md.
