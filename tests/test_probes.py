@@ -28,6 +28,7 @@ from lopti_lab.probes import (
     to_metrics,
     token_stats,
 )
+from lopti_lab.probes import shift as shift_module
 from lopti_lab.probes.shift import in_float64
 from lopti_lab.theory import logit_grad_norm
 
@@ -566,7 +567,9 @@ def test_selective_update_is_one_sgd_step_and_restores_the_weights(setup):
             new = token_stats(model, ids, attn, mask).prob
         for k, v in before.items():
             model.state_dict()[k].copy_(v)
-    torch.testing.assert_close(out.shift.delta_p, torch.where(mask, new - old, 0.0), rtol=0, atol=1e-12)
+    # the step's gradient comes from the trainer's forward (rollout.response_logprobs), a different graph than the
+    # one above: equal to ACROSS_BACKWARDS
+    close(out.shift.delta_p, torch.where(mask, new - old, 0.0))
 
 
 def test_selective_update_adamw_is_torchs_first_adamw_step(setup):
@@ -615,6 +618,25 @@ def test_selective_updates_equal_one_selective_update_each(setup):
         selective_updates(model, ids, attn, mask, adv, [None, [7]])
 
 
+def test_selective_updates_measure_on_the_lean_path_as_on_the_models_own_forward(setup):
+    """The forwards take rollout.response_logprobs (padding cut, a group's prompt once) unless position_ids are given;
+    passing the default positions takes the model's own forward over the whole batch: the float64 log-probs agree to
+    float64 rounding, the steps (through HF's float32 RMSNorm) to ACROSS_BACKWARDS."""
+    model, ids, attn, mask, adv, _ = setup
+    positions = _common._default_position_ids(attn)
+    lean = selective_updates(model, ids, attn, mask, adv, [None, [0]], lr=0.1)
+    own = selective_updates(model, ids, attn, mask, adv, [None, [0]], lr=0.1, position_ids=positions)
+    for a, b in zip(lean, own, strict=True):
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=ACROSS_BACKWARDS) and a.n_updated == b.n_updated
+        assert bool((b.shift.delta_p != 0).any())
+        close(a.shift.delta_p, b.shift.delta_p)
+    # the no-grad float64 forwards themselves, lean and the model's own, agree to float64 rounding
+    with torch.no_grad(), in_float64(model):
+        fast = shift_module._logp(model, ids, attn, mask, None, 1.0)
+        slow = shift_module._logp(model, ids, attn, mask, positions, 1.0)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-13)
+
+
 def test_selective_updates_take_the_gradient_of_a_float32_model(setup):
     """A float32 model (as trained; the other tests' models are float64): the float64 measurement forwards swap the
     weights' storage, and a gradient taken from a graph built before such a swap finds no weight (every grad None):
@@ -639,12 +661,13 @@ def test_selective_sweep_grad_norms_match_the_loss_attribution(tokenizer):
     assert set(tokens["update"]) == set(grads["update"]) and len(tokens) == 5 * int(mask.sum())
     own = token_stats(model, ids, attn, mask).prob
     table = rows(bin_gradient_norms(model, policy_loss(model, ids, attn, mask, adv), own, mask))
+    # two different graphs (the trainer's forward and HF's), so ACROSS_BACKWARDS, not 1e-9
     np.testing.assert_allclose(
-        grads.set_index("update").loc["all", "grad_norm"], table.loc["all", "grad_norm"], rtol=1e-9
+        grads.set_index("update").loc["all", "grad_norm"], table.loc["all", "grad_norm"], rtol=ACROSS_BACKWARDS
     )
     nonempty = table["bin"].notna() & (table["n_tokens"] > 0)
     by_bin = grads.set_index("update").loc[[f"bin{int(b)}" for b in table.loc[nonempty, "bin"]], "grad_norm"]
-    np.testing.assert_allclose(by_bin, table.loc[nonempty, "grad_norm"], rtol=1e-9)
+    np.testing.assert_allclose(by_bin, table.loc[nonempty, "grad_norm"], rtol=ACROSS_BACKWARDS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

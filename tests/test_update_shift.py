@@ -11,9 +11,11 @@ import torch
 
 from lopti_lab.bins import DECILES
 from lopti_lab.kk import build_prompt, load_split
-from lopti_lab.models import LoraSpec, load_policy
+from lopti_lab.models import LoraSpec, load_policy, prompt_style_of
 from lopti_lab.probes import fig3_metrics, positive_rows, update_logprobs
-from lopti_lab.rollout import sample
+from lopti_lab.probes.shift import in_float64
+from lopti_lab.probes.update_shift import Bf16ByFloat32
+from lopti_lab.rollout import response_logprobs, sample
 from lopti_lab.train_config import TrainConfig
 from lopti_lab.trainer import train
 
@@ -44,6 +46,62 @@ def test_a_row_limit_keeps_positive_rows_evenly_spaced_and_distinct():
     many = positive_rows(torch.ones(64), limit=8).tolist()
     assert len(set(many)) == 8 and many == sorted(many) and many[0] == 0 and many[-1] == 63
     assert max(b - a for a, b in itertools.pairwise(many)) <= 10  # spread over the batch, not its head
+
+
+@pytest.fixture(scope="module")
+def lab_rollout():
+    """The bundled lab model and 2 x 2 of its own responses (at most 96 tokens) to 3-person train puzzles."""
+    model, tok = load_policy("lab", lora=None)
+    torch.manual_seed(0)
+    prompts = [build_prompt(p, prompt_style_of("lab"), tok) for p in load_split("train", 3, limit=2)]
+    return model.eval(), sample(model, tok, prompts, 2, max_new_tokens=96)
+
+
+@pytest.mark.parametrize("op", ["linear", "linear_no_bias", "mm", "bmm", "matmul", "addmm"])
+def test_bf16_by_float32_is_torchs_bf16_matmul_to_its_last_bit(op):
+    """Under bf16 autocast, a matmul of Bf16ByFloat32 is torch's own CPU bf16 one: the same bf16 product on at least
+    99.9% of the elements, one bf16 ulp (2^-7 of the value) off on the rest, and far from a float32 product."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=gen) for shape in ((96, 64), (80, 64), (80,)))
+    xs, ws = torch.randn(3, 40, 64, generator=gen), torch.randn(3, 64, 48, generator=gen)
+    run = {
+        "linear": lambda: torch.nn.functional.linear(x, w, b),
+        "linear_no_bias": lambda: torch.nn.functional.linear(x, w),
+        "mm": lambda: x @ w.T,
+        "bmm": lambda: torch.bmm(xs, ws),
+        "matmul": lambda: torch.matmul(xs, ws),
+        "addmm": lambda: torch.addmm(b, x, w.T),
+    }[op]
+    exact = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        native = run()
+        with Bf16ByFloat32():
+            ours = run()
+    assert native.dtype == ours.dtype == torch.bfloat16
+    native, ours = native.float(), ours.float()
+    assert (native == ours).float().mean() >= 0.999
+    assert bool(((native - ours).abs() <= native.abs() * 2**-7 + 1e-30).all())
+    assert (ours - exact).abs().max() > 1e-3 * exact.abs().max()  # bf16's rounding, not float32's
+
+
+def test_bf16_by_float32_forward_of_the_lab_model_is_bf16_as_torchs(lab_rollout):
+    """On the bundled lab model, the response log-probs from Bf16ByFloat32 differ from torch's own bf16 autocast
+    forward by no more than either differs from a float64 forward (both are bf16 arithmetic; one ulp's difference in
+    a hidden state moves later roundings), and both are bf16-far from float64."""
+    model, rollout = lab_rollout
+    args = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, 1.0)
+    mask = rollout.response_mask.bool()
+    with in_float64(model), torch.inference_mode():
+        exact = response_logprobs(model, *args)[0][mask]
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        native = response_logprobs(model, *args)[0].float()[mask]
+        with Bf16ByFloat32():
+            ours = response_logprobs(model, *args)[0].float()[mask]
+    native_err, our_err = (native - exact).abs().mean(), (ours - exact).abs().mean()
+    assert 1e-4 < native_err and 1e-4 < our_err
+    assert (ours - native).abs().mean() <= 2 * max(native_err, our_err)
+    assert our_err <= 2 * native_err and native_err <= 2 * our_err
+    assert bool((ours != native).any())  # the mode did the matmuls (torch's kernels give the same bits each run)
 
 
 def test_fig3_matches_a_per_token_count_from_float64_copies(model_dir):

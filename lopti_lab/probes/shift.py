@@ -223,6 +223,17 @@ def float64_logprobs(
     return torch.cat(parts).clone()  # (B, T), out of inference mode
 
 
+def _logp(model, input_ids, attention_mask, mask, position_ids, temperature: float) -> torch.Tensor:
+    """(B, T) response log-probs, 0 off the mask, for the gradient's forward and the float64 measurement forwards.
+    With the default positions: ``rollout.response_logprobs``, the trainer's own (padding every row has cut, a
+    group's prompt computed once on the lean path): on notebook 02's batch of 24 rows, 3x faster than the model's
+    forward over the padded batch, in float64 equal to it to 1e-14, and its gradient equal to about 1e-8 relative
+    (HF's RMSNorm rounds to float32); with given ``position_ids``: the model's own forward over the whole batch."""
+    if position_ids is None:
+        return response_logprobs(model, input_ids, attention_mask, mask, temperature)[0]
+    return _response_logp(model, input_ids, attention_mask, mask.shape[1], position_ids, temperature) * mask
+
+
 @dataclass
 class SelectiveUpdate:
     """One SGD step on the tokens of some bins, and what it did to every bin."""
@@ -285,7 +296,7 @@ def selective_updates(
     and one float64 forward before the steps (every set's gradient is held at once: memory for one gradient per
     set). Each result is the one ``selective_update`` alone gives."""
     edges = check_bins(bins)
-    mask, T = _check_batch(input_ids, attention_mask, response_mask)
+    mask, _ = _check_batch(input_ids, attention_mask, response_mask)
     adv = _check_like("advantages", advantages, mask, allow_per_sequence=True).detach()
     K = len(edges) - 1
     chosen_sets = []
@@ -304,7 +315,7 @@ def selective_updates(
     model.eval()
     results = []
     try:
-        logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)  # (B, T)
+        logp = _logp(model, input_ids, attention_mask, mask, position_ids, temperature)  # (B, T)
         bin_of = bin_index(logp.detach().exp(), edges)
         steps = []  # every set's gradient before any step: a step changes the weights the graph holds
         for i, chosen in enumerate(chosen_sets):
@@ -320,7 +331,7 @@ def selective_updates(
         # the shift is measured in float64 forwards before and after each step (probability_shift); only once every
         # gradient is taken: in_float64 swaps the weights' storage, which the graph above must not see
         with torch.no_grad(), in_float64(model):
-            old_logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)
+            old_logp = _logp(model, input_ids, attention_mask, mask, position_ids, temperature)
         saved = [p.detach().clone() for p in params]
         for chosen, in_update, grad_norm, grads in steps:
             try:
@@ -328,7 +339,7 @@ def selective_updates(
                     for p, g in zip(params, grads):
                         p.add_(g, alpha=-lr)
                     with in_float64(model):
-                        new_logp = _response_logp(model, input_ids, attention_mask, T, position_ids, temperature)
+                        new_logp = _logp(model, input_ids, attention_mask, mask, position_ids, temperature)
             finally:
                 with torch.no_grad():
                     for p, s in zip(params, saved):

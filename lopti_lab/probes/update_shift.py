@@ -8,6 +8,9 @@ cannot show a move at all: how such zeros were counted is not stated. So this me
 
     precision "float64": the log-probs of float64 forwards before and after the update (a move of 1e-12 shows);
               "bfloat16": bf16 autocast forwards (matmuls in bf16, as mixed precision computes), as the paper's code;
+              on a CPU each matmul's bf16 operands are multiplied in float32 and the product rounded to bf16
+              (``Bf16ByFloat32``: a GPU's bf16 arithmetic, 5x faster here than torch's CPU bf16 kernels, which give
+              the same product on 99.99% of elements);
     correct        share of the bin's A > 0 tokens whose log-prob rose (a token that did not move counts as not up)
     correct_moved  the same among the tokens that moved (an unmoved token is left out)
     zero_share     share that did not move at all (log-prob unchanged to the last bit)
@@ -15,27 +18,57 @@ cannot show a move at all: how such zeros were counted is not stated. So this me
 Metric keys: ``fig3/{precision}/{binning}/{stat}_bin{i}`` with binning "q" (quartiles, ``bins.DEFAULT_BINS``) or "d"
 (deciles, ``bins.DECILES``), and ``fig3/{binning}/n_bin{i}`` the bin's A > 0 token count. Only rows with a positive
 advantage are forwarded (at most ``TrainConfig.shift_rows`` of them), so the measurement costs four forwards of those
-rows: two float64 (2.5x a float32 forward on a CPU) and two bf16.
+rows: two float64 (2.5x a float32 forward on a CPU) and two bf16 (about half a float32 forward, with
+``Bf16ByFloat32``).
 
 Shape legend: k rows with A > 0, T response tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lopti_lab.bins import DECILES, DEFAULT_BINS, bin_index
 from lopti_lab.probes.shift import in_float64
 from lopti_lab.rollout import response_logprobs
 
-__all__ = ["BINNINGS", "PRECISIONS", "fig3_metrics", "positive_rows", "update_logprobs"]
+__all__ = ["BINNINGS", "PRECISIONS", "Bf16ByFloat32", "fig3_metrics", "positive_rows", "update_logprobs"]
 
 PRECISIONS = ("float64", "bfloat16")
 BINNINGS: dict[str, tuple[float, ...]] = {"q": DEFAULT_BINS, "d": DECILES}
+
+
+class Bf16ByFloat32(TorchDispatchMode):
+    """Inside ``torch.autocast(dtype=torch.bfloat16)``: each matmul that autocast gives bf16 operands is computed in
+    float32 from those bf16 values and its result rounded to bf16: bf16 in, float32 accumulation, bf16 out, the
+    arithmetic of a GPU's bf16 matmuls (and of FSDP's mixed precision forward). On a CPU without bf16 hardware,
+    torch's own bf16 matmul kernels give the same result on 99.99% of elements (one bf16 ulp off on the rest, from a
+    different summation order) at about 5x the time on notebook 02's batch (tests/test_update_shift.py). The other
+    ops (attention, softmax, norms) run as autocast runs them."""
+
+    OPS = frozenset(
+        {
+            torch.ops.aten.linear.default,
+            torch.ops.aten.mm.default,
+            torch.ops.aten.addmm.default,
+            torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default,
+            torch.ops.aten.matmul.default,
+        }
+    )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.OPS and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
+            wide = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+            return func(*wide, **kwargs).to(torch.bfloat16)
+        return func(*args, **kwargs)
 
 
 def positive_rows(advantages: torch.Tensor, limit: int | None = None) -> torch.Tensor:
@@ -71,7 +104,9 @@ def update_logprobs(
                 model, input_ids, attention_mask, response_mask, temperature, fast_path=fast_path
             )[0]
         with torch.inference_mode(), torch.autocast(device, dtype=torch.bfloat16):
-            logp = response_logprobs(model, input_ids, attention_mask, response_mask, temperature, fast_path=fast_path)
+            with Bf16ByFloat32() if device == "cpu" else contextlib.nullcontext():
+                logp = response_logprobs(model, input_ids, attention_mask, response_mask, temperature,
+                                         fast_path=fast_path)  # fmt: skip
             out["bfloat16"] = logp[0].float()
     finally:
         model.train(was_training)
