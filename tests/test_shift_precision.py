@@ -106,3 +106,26 @@ def test_float64_forwards_measure_a_small_step_that_float32_forwards_cannot(tiny
     torch.testing.assert_close(moves64, _moves(tiny_model, ids, attn, resp, large, f64) / 1000, rtol=2e-2, atol=0)
     agree32 = (torch.sign(moves32) == torch.sign(truth)).float().mean().item()
     assert agree32 < 0.9, f"float32 forwards should not resolve moves this small (agreement {agree32:.2f})"
+
+
+def test_float64_logprobs_by_length_chunks_equal_one_row_at_a_time():
+    """Without batch_size the rows go by response length in chunks of _LENGTH_CHUNK (each cutting its own padding)
+    and come back in the batch's order: the same log-probs as forwarding each row alone, to float64 rounding, on the
+    bundled lab model with 20 responses of different lengths (more than two chunks)."""
+    from lopti_lab.models import load_policy
+    from lopti_lab.probes import shift as shift_module
+
+    model, tok = load_policy("lab", lora=None)
+    lengths = [3, 17, 9, 30, 1, 22, 5, 12, 26, 8, 14, 2, 19, 11, 28, 6, 24, 4, 16, 10]
+    assert len(lengths) > 2 * shift_module._LENGTH_CHUNK
+    gen = torch.Generator().manual_seed(0)
+    B, P, T = len(lengths), 6, max(lengths)
+    ids = torch.randint(3, len(tok), (B, P + T), generator=gen)
+    attn = torch.ones(B, P + T, dtype=torch.long)
+    attn[::3, :2] = 0  # some prompts left-padded
+    resp = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # (B, T) right-padded responses
+    attn[:, P:] = resp.long()
+    chunked = float64_logprobs(model, ids, attn, resp)
+    alone = float64_logprobs(model, ids, attn, resp, batch_size=1)
+    assert chunked.dtype == torch.float64 and bool((chunked[resp] != 0).all())
+    torch.testing.assert_close(chunked, alone, rtol=0, atol=1e-12)

@@ -98,7 +98,7 @@ def test_bf16_by_float32_forward_of_the_lab_model_is_bf16_as_torchs(lab_rollout)
         with Bf16ByFloat32():
             ours = response_logprobs(model, *args)[0].float()[mask]
     native_err, our_err = (native - exact).abs().mean(), (ours - exact).abs().mean()
-    assert 1e-4 < native_err and 1e-4 < our_err
+    assert min(native_err, our_err) > 1e-4
     assert (ours - native).abs().mean() <= 2 * max(native_err, our_err)
     assert our_err <= 2 * native_err and native_err <= 2 * our_err
     assert bool((ours != native).any())  # the mode did the matmuls (torch's kernels give the same bits each run)

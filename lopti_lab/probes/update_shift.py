@@ -49,8 +49,8 @@ class Bf16ByFloat32(TorchDispatchMode):
     float32 from those bf16 values and its result rounded to bf16: bf16 in, float32 accumulation, bf16 out, the
     arithmetic of a GPU's bf16 matmuls (and of FSDP's mixed precision forward). On a CPU without bf16 hardware,
     torch's own bf16 matmul kernels give the same result on 99.99% of elements (one bf16 ulp off on the rest, from a
-    different summation order) at about 5x the time on notebook 02's batch (tests/test_update_shift.py). The other
-    ops (attention, softmax, norms) run as autocast runs them."""
+    different summation order; tests/test_update_shift.py), in about 5x the time on 8 of the lab model's responses.
+    The other ops (attention, softmax, norms) run as autocast runs them."""
 
     OPS = frozenset(
         {

@@ -6,7 +6,8 @@
 # bin, and reproduce the paper's Fig. 1 and Fig. 2 with our probes. At the end, one frozen batch is updated four
 # ways (GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti) from the same weights to see what each fix changes.
 #
-# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 251 s (one kernel thread, built while notebook 04 ran on the second core).
+# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 102-115 s (two kernel threads, nothing
+# else running; two builds of this version on 2026-12-04).
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
