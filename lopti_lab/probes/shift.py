@@ -204,32 +204,30 @@ def float64_logprobs(
     batch_size: int | None = None,
 ) -> torch.Tensor:
     """(B, T) log pi(response token | prefix) from float64 forwards (``rollout.response_logprobs``'s layout), no grad,
-    in eval mode: what a probability-shift measurement should compare. Without ``batch_size`` the rows go by length
-    in chunks of ``_LENGTH_CHUNK``, each forwarded with only its own padding; with it, ``batch_size`` rows at a time
-    in the batch's order. Its rounding error is ~1e-15 where a float32
-    forward's is ~1e-6, below the log-prob moves of one small update (1e-5 to 1e-8 on tokens near p = 1)."""
+    in eval mode: what a probability-shift measurement should compare. The rows go by response length,
+    ``batch_size`` (default ``_LENGTH_CHUNK``) at a time, each chunk forwarded with only its own padding. Its rounding
+    error is ~1e-15 where a float32 forward's is ~1e-6, below the log-prob moves of one small update (1e-5 to 1e-8
+    on tokens near p = 1)."""
     mask = _check_mask(response_mask)
     was_training = model.training
     model.eval()
     try:
         with in_float64(model), torch.inference_mode():
-            if batch_size is None:  # rows by length, in chunks that each cut their own padding
-                return _logp(model, input_ids, attention_mask, mask, None, temperature).clone()
-            parts = [
-                response_logprobs(
-                    model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
-                    response_mask[i : i + batch_size], temperature,
-                )[0]
-                for i in range(0, len(input_ids), batch_size)
-            ]  # fmt: skip
+            logp = _logp(model, input_ids, attention_mask, mask, None, temperature, batch_size or _LENGTH_CHUNK)
     finally:
         model.train(was_training)
-    return torch.cat(parts).clone()  # (B, T), out of inference mode
+    return logp.clone()  # (B, T), out of inference mode
 
 
-def _logp(model, input_ids, attention_mask, mask, position_ids, temperature: float) -> torch.Tensor:
+_LENGTH_CHUNK = 8
+"""Rows per forward in ``_logp``: the batch sorted by response length and cut into chunks of this many rows, each
+forwarded with only its own padding (notebook 02's selective sweep, 24 rows of 128-435 tokens, two threads: 25-30 s
+against 36 s with the whole batch in one forward; one run each, noisy)."""
+
+
+def _logp(model, input_ids, attention_mask, mask, position_ids, temperature: float, rows: int = _LENGTH_CHUNK):
     """(B, T) response log-probs, 0 off the mask, for the gradient's forward and the float64 measurement forwards.
-    With the default positions: the rows by response length, ``_LENGTH_CHUNK`` at a time, through
+    With the default positions: the rows by response length, ``rows`` at a time, through
     ``rollout.response_logprobs``, the trainer's own forward (each chunk's shared padding cut, a group's prompt
     computed once on the lean path). On notebook 02's batch of 24 rows that forward alone (before the chunks) was
     2.7x faster in float64 and 2.1x with its graph in float32 than the model's forward over the padded batch; it
@@ -239,16 +237,10 @@ def _logp(model, input_ids, attention_mask, mask, position_ids, temperature: flo
         return _response_logp(model, input_ids, attention_mask, mask.shape[1], position_ids, temperature) * mask
     order = mask.sum(1).argsort(stable=True)  # (B,): rows by response length, so each chunk cuts its own padding
     parts = [
-        response_logprobs(model, input_ids[rows], attention_mask[rows], mask[rows], temperature)[0]
-        for rows in order.split(_LENGTH_CHUNK)
+        response_logprobs(model, input_ids[chunk], attention_mask[chunk], mask[chunk], temperature)[0]
+        for chunk in order.split(rows)
     ]  # each (b, T)
     return torch.cat(parts)[order.argsort()]  # (B, T) in the batch's order
-
-
-_LENGTH_CHUNK = 8
-"""Rows per forward in ``_logp``: the batch sorted by response length and cut into chunks of this many rows, each
-forwarded with only its own padding (notebook 02's selective sweep, 24 rows of 128-435 tokens, two threads: 25-30 s
-against 36 s with the whole batch in one forward; one run each, noisy)."""
 
 
 @dataclass
