@@ -347,11 +347,13 @@ def _report(config: MechanismConfig, table: pd.DataFrame, frozen: dict, minutes:
             shown = [_cell(by, precision, stat) for precision, stat in wanted]
             lines.append(f"| {optimizer} | {method} | " + " | ".join(shown) + " |")
     train = config.train
+    rows = "all" if train.shift_rows is None else f"at most {train.shift_rows}"
     return f"""# lopti_lab mechanism study: Fig. 1 and Fig. 3 as the paper measured them
 
 {len(config.methods)} methods x {len(config.optimizers)} optimizer settings x {config.seeds} seeds, {train.steps} RL
 steps each ({train.prompts_per_step} puzzles x {train.group_size} rollouts at T = {train.temperature:g}, one
-minibatch per stage, clip {train.grad_clip}), the Fig. 3 measurement at every step; {minutes:.1f} minutes in all.
+minibatch per stage, clip {train.grad_clip}), the Fig. 3 measurement at every step on {rows} of its A > 0 rollouts;
+{minutes:.1f} minutes in all.
 Frozen batch of Fig. 1 and of the optimizer measurements: {frozen["rows"]} rollouts, {frozen["tokens"]} response
 tokens. Settings: {json.dumps({k: OPTIMIZER_SETTINGS[k] for k in config.optimizers})}.
 {chr(10).join(lines)}
