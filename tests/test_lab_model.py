@@ -334,3 +334,32 @@ def test_start_from_carries_a_lab_model_over_to_another_vocabulary(tmp_path):
 
     with pytest.raises(ValueError, match="not a lab model of this shape"):
         start_from(tmp_path / "old", new_tok, dataclasses.replace(spec, num_hidden_layers=2))
+
+
+def test_autocast_auto_trains_in_bf16_only_on_a_cpu_with_bf16_instructions(tmp_path):
+    """Autocast "auto" picks bfloat16 where /proc/cpuinfo lists avx512_bf16 or amx_bf16 (a flag, not a prefix of
+    one), else float32; explicit choices stand; the saved record names the precision that ran, so a replay trains the
+    same way."""
+    from lopti_lab.lab.pretrain import native_bf16, training_precision
+
+    flags = {
+        "avx2 avx512f avx512_bf16 fma": True,
+        "amx_bf16 amx_tile avx2": True,
+        "avx2 fma avx512f avx512bw": False,
+        "avx512_bf16x": False,
+    }
+    for line, native in flags.items():
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 {line}\n")
+        assert native_bf16(info) is native, line
+        assert training_precision("auto", info) == ("bfloat16" if native else "float32")
+        assert training_precision("float32", info) == "float32" and training_precision("bfloat16", info) == "bfloat16"
+    assert native_bf16(tmp_path / "missing") is False
+    assert PretrainConfig().autocast == "auto"
+    spec = LabModelSpec(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    cfg = PretrainConfig(steps=1, batch_size=2, eval_every=10, spec=spec, warmup_steps=1, final_people=(2,),
+                         final_size=1, final_samples=1, max_new_tokens=8, threads=1)  # fmt: skip
+    saved = pretrain(cfg, tmp_path / "lab", progress=False)["config"]["autocast"]
+    assert saved == training_precision("auto")

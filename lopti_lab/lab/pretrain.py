@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 import random
+import re
+import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from lopti_lab.checks import FieldCheck, is_int, is_real
@@ -26,10 +28,39 @@ from lopti_lab.lab.model import LabModelSpec, build_model, save_lab_model, start
 from lopti_lab.lab.tokenizer import build_tokenizer, lab_response
 from lopti_lab.lab.trace import RL_TRACE, TraceStyle, prompt_style
 
-__all__ = ["AUTOCAST", "PretrainConfig", "config_fields", "encode_example", "pretrain"]
+__all__ = [
+    "AUTOCAST",
+    "PretrainConfig",
+    "config_fields",
+    "encode_example",
+    "native_bf16",
+    "pretrain",
+    "training_precision",
+]
 
-AUTOCAST = ("bfloat16", "float32")
+AUTOCAST = ("auto", "bfloat16", "float32")
 """``PretrainConfig.autocast`` choices."""
+
+
+def native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 matmul instructions (avx512_bf16 or amx_bf16 among the flags of ``cpuinfo``, Linux's
+    list). Without them torch's CPU bf16 kernels are slow: a warm-start step of the bundled recipe took 48 s under
+    bf16 autocast against 2.2 s in float32 on an AMD EPYC with AVX2 only (2026-12-04, 22x), where a CPU with
+    AVX512-BF16 ran it 1.7x faster than float32 (benchmarks/README.md). False where the file cannot be read (macOS,
+    Windows)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", text) is not None
+
+
+def training_precision(autocast: str, cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The precision ``PretrainConfig.autocast`` trains in on this machine: "auto" is "bfloat16" on a CPU with bf16
+    instructions (``native_bf16``), else "float32"; the other choices are themselves."""
+    if autocast != "auto":
+        return autocast
+    return "bfloat16" if native_bf16(cpuinfo) else "float32"
 
 
 @dataclass
@@ -87,10 +118,12 @@ class PretrainConfig:
     """A lab model folder to start from (``lab.model.start_from``: its weights, each token's embedding taken by token
     string, so a model trained with another tokenizer can be carried over), with a fresh optimizer and this config's
     schedule; None: random weights (``lab.model.build_model``)."""
-    autocast: str = "bfloat16"
+    autocast: str = "auto"
     """Precision of the training forward and backward: "bfloat16" (torch.autocast: matmuls in bf16, weights, loss
-    and optimizer in float32; 2.2x faster steps on a CPU with AVX512-BF16, measured in benchmarks/README.md) or
-    "float32" (how models recorded before this field were trained). Evaluations always run in float32."""
+    and optimizer in float32; 1.7x faster steps on a CPU with AVX512-BF16, measured in benchmarks/README.md, but 22x
+    slower on one without), "float32" (how models recorded before this field were trained), or "auto": bfloat16 where
+    the CPU has bf16 instructions, else float32 (``training_precision``; the saved record names the one that ran).
+    Evaluations always run in float32."""
 
     def __post_init__(self):
         if isinstance(self.spec, dict):
@@ -237,6 +270,11 @@ def pretrain(config: PretrainConfig, out: str | Path, progress: bool = True) -> 
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    config = replace(config, autocast=training_precision(config.autocast))  # recorded as run: a replay is exact
+    if config.autocast == "bfloat16" and not native_bf16():
+        print("lopti-lab pretrain: PretrainConfig.autocast is 'bfloat16' but this CPU lists no bf16 instructions "
+              "(avx512_bf16, amx_bf16): each step may take ~20x as long as in float32; pass --autocast float32 "
+              "or auto", file=sys.stderr)  # fmt: skip
     torch.manual_seed(config.seed)
     start = time.perf_counter()
     tokenizer = build_tokenizer(seed=config.seed, style=config.trace)
