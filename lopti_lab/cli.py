@@ -5,6 +5,7 @@
     lopti-lab eval      evaluate.EvalConfig           test accuracy of a model or a run
     lopti-lab pretrain  lab.pretrain.PretrainConfig   the lab model's warm start
     lopti-lab demo      demo.config.DemoConfig        the four methods on the lab model, and a report
+    lopti-lab hardlab   demo.config.HardLabConfig     the four methods on the hard lab model (docs/hard_lab.md)
     lopti-lab mechanism demo.mechanism.MechanismConfig  the paper's Fig. 1 and Fig. 3, as it measured them
 
 Each builds its options the same way (``add_config_options``): one option per field, named after it (``--lora-r``),
@@ -90,6 +91,13 @@ COMMANDS: dict[str, Command] = {
             "demo",
             "GRPO, +AR, +Lopti, +AR+Lopti on the lab model (CPU) and a report",
             "lopti_lab.demo.config:DemoConfig",
+            flatten=("train",),
+            skip=tuple(f"train.{name}" for name in PER_RUN),
+        ),
+        Command(
+            "hardlab",
+            "the four methods on the hard lab model, 5 seeds x 60 steps, and a report (CPU, <= 150 min)",
+            "lopti_lab.demo.config:HardLabConfig",
             flatten=("train",),
             skip=tuple(f"train.{name}" for name in PER_RUN),
         ),
@@ -385,6 +393,7 @@ RUNNERS: dict[str, Callable[[Any, argparse.Namespace], int]] = {
     "eval": run_eval,
     "pretrain": run_pretrain,
     "demo": run_demo,
+    "hardlab": run_demo,
     "mechanism": run_mechanism,
 }
 

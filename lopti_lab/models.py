@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lopti_lab.paths import lab_model_dir
+from lopti_lab.paths import BUNDLED_MODELS, lab_model_dir
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -59,14 +59,15 @@ class LoraSpec:
 
 
 def check_model_name(name_or_path: str) -> str:
-    """Return "lab", "local" or "hub"; ValueError when it names a local path that does not exist.
+    """Return "lab" (a bundled lab model's name, ``paths.BUNDLED_MODELS``), "local" or "hub"; ValueError when it
+    names a local path that does not exist.
 
     A string that exists on disk is a local folder; "owner/name" that does not exist locally is taken as a hub id
     (resolved from the HF cache or the hub); anything else path-like ("./x", "/abs/x", "a/b/c") must exist.
     """
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(f"model must be a non-empty string (hub id, local path or 'lab'), got {name_or_path!r}")
-    if name_or_path == "lab":
+    if name_or_path in BUNDLED_MODELS:
         return "lab"
     path = Path(name_or_path).expanduser()
     if path.exists():
@@ -83,7 +84,7 @@ def model_path(name_or_path: str) -> str:
     (checked by ``check_model_name``)."""
     if check_model_name(name_or_path) != "lab":
         return name_or_path
-    folder = lab_model_dir()
+    folder = lab_model_dir(name_or_path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"lab model not found at {folder}: build it with `lopti-lab pretrain --out {folder}`")
     return str(folder)

@@ -3,6 +3,7 @@ that fit.
 
     env = setup(quick=QUICK)             # Qwen2.5-1.5B-Instruct with LoRA on a GPU, the bundled lab model on a CPU
     config = training_defaults(env)      # a TrainConfig for this machine
+    lab_regimes(env)                     # on a CPU: {"demo lab": ..., "hard lab": ...}, the training panel's picker
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lopti_lab.demo.config import DemoConfig, demo_train
+from lopti_lab.demo.config import DemoConfig, HardLabConfig, demo_train
 from lopti_lab.models import prompt_style_of
 from lopti_lab.train_config import TrainConfig
 
-__all__ = ["Environment", "setup", "training_defaults"]
+__all__ = ["Environment", "lab_regimes", "setup", "training_defaults"]
 
 
 @dataclass(frozen=True)
@@ -91,3 +92,15 @@ def training_defaults(env: Environment, steps: int | None = None):
             save_every=25,
         )
     return replace(config, steps=steps or config.steps)
+
+
+def lab_regimes(env: Environment) -> dict[str, TrainConfig]:
+    """The training panel's regimes on a lab model (``widgets.TrainPanel(regimes=...)``): "demo lab", the
+    demo's settings on ``env.model`` (``training_defaults``: the warm start already solves its puzzles, RL removes
+    its slips in about 10 steps), and "hard lab", the hard lab study's GRPO run (``HardLabConfig``: the "lab-hard"
+    warm start, which misreads 'or', 'if' and 'iff' as 'and', 60 steps with test evaluations on the way;
+    docs/hard_lab.md). QUICK: both cut to 2 steps. {} for a hub model (one regime: ``training_defaults``)."""
+    if env.lora_r is not None:
+        return {}
+    hard = HardLabConfig(quick=env.quick).train_config("GRPO", 0, Path("runs") / "unnamed")
+    return {"demo lab": training_defaults(env), "hard lab": hard}

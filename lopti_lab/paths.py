@@ -25,9 +25,17 @@ def data_dir() -> Path:
     )
 
 
-def lab_model_dir() -> Path:
-    """The bundled lab model's folder (a standard Hugging Face checkpoint)."""
-    return data_dir() / "lab_model"
+BUNDLED_MODELS = {"lab": "lab_model", "lab-hard": "lab_model_hard"}
+"""The bundled lab models, by the name ``TrainConfig.model`` takes, and their folders in the data folder: "lab" (the
+demo's: a reliable reasoner with rare slips, docs/lab_model.md) and "lab-hard" (the same model taught to misread
+'or', 'if' and 'iff' as 'and' 60% of the time: a skill left for RL to learn, docs/hard_lab.md)."""
+
+
+def lab_model_dir(name: str = "lab") -> Path:
+    """A bundled lab model's folder (a standard Hugging Face checkpoint), by its name in ``BUNDLED_MODELS``."""
+    if name not in BUNDLED_MODELS:
+        raise ValueError(f"no bundled lab model {name!r}; the bundled ones are {list(BUNDLED_MODELS)}")
+    return data_dir() / BUNDLED_MODELS[name]
 
 
 def cache_dir() -> Path:

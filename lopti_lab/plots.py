@@ -442,25 +442,37 @@ def mechanism_over_steps(long: pd.DataFrame, sign: str = "pos", smooth: int = 1)
     _require(long, "long", ["run", "method", "step", "metric", "value"])
     pattern = rf"^(tokens/share|grad/share|shift/correct_{sign}|shift/n_{sign}|shift/unmoved_{sign})_bin(\d+)$"
     wide = _per_bin(long, pattern, "no tokens/share_bin*, grad/share_bin* or shift/* metrics")
-    bins = sorted(wide["bin"].unique())
-    rows = [("tokens/share", "share of tokens"), ("grad/share", "share of the gradient")]
-    if f"shift/correct_{sign}" in wide.columns:
-        rows.append((f"shift/correct_{sign}", f"correct ratio ({SIGN_NAMES[sign]})"))
+    rows = {"tokens/share": "share of tokens", "grad/share": "share of the gradient",
+            f"shift/correct_{sign}": f"correct ratio ({SIGN_NAMES[sign]})"}  # fmt: skip
+    rows = {k: v for k, v in rows.items() if k in wide.columns}
+    means = wide.groupby(["method", "step", "bin"], sort=False)[list(rows)].mean().reset_index()
+    return mechanism_by_step(means, rows, smooth=smooth)
+
+
+def mechanism_by_step(table: pd.DataFrame, measures: dict[str, str], smooth: int = 1) -> Figure:
+    """Per-bin measures over training, a line per method: one column per probability bin, one row per measure
+    (``measures``: {column of ``table``: label}; a column whose name holds "correct" is a ratio, drawn with 0.5
+    dashed). ``table``: one row per (method, step, bin), as ``demo.report.mechanism_table`` writes mechanism.csv
+    (token_share, grad_share, correct_ratio, fig3_correct)."""
+    _require(table, "table", ["method", "step", "bin"])
+    rows = [(c, label) for c, label in measures.items() if c in table.columns and not table[c].isna().all()]
+    if not rows:
+        raise ValueError(f"none of {list(measures)} has a value in the table")
+    bins = sorted(table["bin"].unique())
     fig = Figure(figsize=(3.4 * len(bins), 2.6 * len(rows)), layout="constrained")
     axes = np.asarray(fig.subplots(len(rows), len(bins), sharex=True, squeeze=False))
-    methods = _methods(wide)
+    methods = _methods(table)
     for r, (what, label) in enumerate(rows):
         for c, b in enumerate(bins):
             ax = axes[r, c]
             for i, method in enumerate(methods):
-                mine = wide[(wide["method"] == method) & (wide["bin"] == b)]
-                if what not in mine or mine[what].isna().all():
+                curve = table[(table["method"] == method) & (table["bin"] == b)].groupby("step")[what].mean()
+                if curve.isna().all():
                     continue
-                curve = mine.groupby("step")[what].mean()
                 if smooth > 1:
                     curve = curve.rolling(smooth, center=True, min_periods=1).mean()
                 ax.plot(curve.index, curve.to_numpy(), color=f"C{i}", label=method)
-            if what.startswith("shift/"):
+            if "correct" in what:
                 ax.axhline(0.5, color="0.5", lw=0.8, ls="--")
                 ax.set_ylim(-0.02, 1.02)
             if r == 0:

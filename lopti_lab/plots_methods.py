@@ -1,6 +1,6 @@
 """The token-level methods side by side: where each method's update puts the gradient, by probability bin and by
 entropy bin, and how many A > 0 tokens it moves the right way (``counterfactual.method_probes``'s table), and how
-each method's accuracy differs from GRPO's, seed by seed (``demo.report.paired_per_seed``).
+each method's accuracy differs from GRPO's, seed by seed (``demo.tables.paired_per_seed``).
 
 One heatmap per (binning, measure): a row per method in the table's order, a column per bin, the value in each cell
 (a reader compares rows, so the numbers are printed, not only coloured). Built on ``matplotlib.figure.Figure`` like
@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-__all__ = ["method_probes", "paired_differences"]
+__all__ = ["method_probes", "paired_differences", "study_curves"]
 
 MEASURES = {"grad_share": "gradient share", "correct_ratio": "correct ratio (A > 0)"}
 BINNINGS = {"probability": "rollout probability bin", "entropy": "entropy quartile of the batch"}
@@ -50,7 +50,7 @@ def method_probes(table: pd.DataFrame) -> Figure:
 def paired_differences(diffs: pd.DataFrame, intervals: pd.DataFrame) -> Figure:
     """A forest plot per column of the accuracy table (each people count, their average): a row per method, its
     difference to GRPO at each seed (dots), their mean and 95% interval (bar); the line at 0 is GRPO. ``diffs``:
-    ``demo.report.paired_per_seed``'s rows; ``intervals``: ``demo.report.paired_intervals`` of them."""
+    ``demo.tables.paired_per_seed``'s rows; ``intervals``: ``demo.tables.paired_intervals`` of them."""
     missing = {"model", "column", "seed", "diff"} - set(diffs.columns)
     missing |= {"model", "column", "mean", "ci95"} - set(intervals.columns)
     if missing or diffs.empty:
@@ -74,4 +74,55 @@ def paired_differences(diffs: pd.DataFrame, intervals: pd.DataFrame) -> Figure:
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(list(y.values()), [m.removeprefix("+ ") for m in y], fontsize=8)
     axes[-1].legend(fontsize=7, loc="lower right")
+    return fig
+
+
+def _title(column: str) -> str:
+    return f"{column[:-3]} people" if column.endswith("ppl") else "average over people counts"
+
+
+def study_curves(bands: pd.DataFrame, paired: pd.DataFrame | None = None, ylabel: str = "test accuracy") -> Figure:
+    """A study's learning curves, one column of panels per people count (and their average). Top row: each method's
+    test accuracy over the RL steps, the mean over seeds with its 95% interval as a band (the min-max over seeds
+    where there is one seed). Bottom row (with ``paired``): each method minus GRPO at the same seed, per evaluated
+    step, the mean and its 95% interval band; the line at 0 is GRPO. ``bands``: ``demo.curves.seed_bands``;
+    ``paired``: ``demo.curves.paired_over_steps``."""
+    missing = {"model", "column", "step", "mean", "ci95", "low", "high"} - set(bands.columns)
+    if missing or bands.empty:
+        raise ValueError(f"study_curves needs demo.curves.seed_bands rows (missing columns: {sorted(missing)})")
+    columns = list(dict.fromkeys(bands["column"]))
+    models = list(dict.fromkeys(bands["model"]))
+    rows = 2 if paired is not None and not paired.empty else 1
+    fig = Figure(figsize=(3.4 * len(columns) + 0.6, 3.0 * rows + 0.4), layout="constrained")
+    axes = fig.subplots(rows, len(columns), squeeze=False, sharex=True)
+    for j, column in enumerate(columns):
+        ax = axes[0, j]
+        for i, model in enumerate(models):
+            cell = bands[(bands["model"] == model) & (bands["column"] == column)].sort_values("step")
+            has_ci = cell["ci95"].notna()
+            low = np.clip(np.where(has_ci, cell["mean"] - cell["ci95"], cell["low"]), 0.0, 1.0)  # an accuracy
+            high = np.clip(np.where(has_ci, cell["mean"] + cell["ci95"], cell["high"]), 0.0, 1.0)
+            ax.plot(cell["step"], cell["mean"], marker="o", ms=3, color=f"C{i}", label=model.removeprefix("+ "))
+            ax.fill_between(cell["step"], low, high, color=f"C{i}", alpha=0.15, lw=0)
+        ax.set_title(_title(column), fontsize=9)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        if j == 0:
+            ax.set_ylabel(f"{ylabel}\n(mean, 95% interval over seeds)", fontsize=8)
+        if rows == 2:
+            ax = axes[1, j]
+            ax.axhline(0.0, color="C0", lw=1.2)
+            for i, model in enumerate(models):
+                cell = paired[(paired["model"] == model) & (paired["column"] == column)].sort_values("step")
+                if cell.empty:
+                    continue
+                ci = cell["ci95"].fillna(0.0)
+                low, high = np.clip(cell["mean"] - ci, -1.0, 1.0), np.clip(cell["mean"] + ci, -1.0, 1.0)
+                ax.plot(cell["step"], cell["mean"], marker="o", ms=3, color=f"C{i}")
+                ax.fill_between(cell["step"], low, high, color=f"C{i}", alpha=0.15, lw=0)
+            ax.grid(alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("method - GRPO, paired by seed\n(mean, 95% interval)", fontsize=8)
+        axes[-1, j].set_xlabel("RL step")
+    axes[0, 0].legend(fontsize=7)
     return fig

@@ -213,10 +213,14 @@ class TrainPanel(_Panel):
     (lengths, clip range, evaluation, ...).
     """
 
-    def __init__(self, base=None, env: Environment | None = None, run_root: str | Path = "runs"):
+    def __init__(
+        self, base=None, env: Environment | None = None, run_root: str | Path = "runs", regimes: dict | None = None
+    ):
         env = env or setup()
         base = base or training_defaults(env)
-        self.base, self.run_root = base, Path(run_root)
+        self.base, self.run_root, self.regimes = base, Path(run_root), dict(regimes or {})
+        # the lab's regimes (notebook.lab_regimes): picking one sets every setting to its TrainConfig
+        self.regime = W.Dropdown(options=list(self.regimes), value=None, description="regime")
         self.model = W.Text(value=base.model, description="model")
         self.ar = W.Checkbox(value=base.ar_alpha is not None, description="Advantage Reweighting", indent=False)
         self.alpha = W.FloatSlider(value=base.ar_alpha or 0.3, min=0.0, max=1.0, step=0.05, description="alpha")
@@ -237,6 +241,7 @@ class TrainPanel(_Panel):
             value=base.entropy_adv_alpha or ENTROPY_ADV_ALPHA, min=0.0, max=2.0, step=0.05, description="alpha"
         )
         self.method.observe(lambda change: self._pick(change["new"]), names="value")
+        self.regime.observe(lambda change: self._use(change["new"]), names="value")
         self.steps = W.IntText(value=base.steps, description="steps")
         self.lr = W.FloatLogSlider(
             value=base.lr, base=10, min=-7, max=-2, step=0.1, description="lr", readout_format=".1e"
@@ -263,6 +268,7 @@ class TrainPanel(_Panel):
         self._thread: threading.Thread | None = None
         self.widget = W.VBox(
             [
+                *([self.regime] if self.regimes else []),
                 W.HBox([self.model, self.name]),
                 W.HBox([self.ar, self.alpha]),
                 W.HBox([self.lopti, self.eta, self.order]),
@@ -301,6 +307,27 @@ class TrainPanel(_Panel):
         name = self.name.value.strip() or run_name(method_label(values))
         return replace(self.base, run_dir=str(self.run_root / name), progress=False, **values)
 
+    def _use(self, regime: str | None) -> None:
+        """Make a regime's TrainConfig the panel's base and set every control from it (model, switches, optimizer,
+        steps, lr, batch shape); the settings the panel does not show (people, evaluation, lengths) come with it."""
+        if regime is None:
+            return
+        config = self.regimes[regime]
+        self.base = config
+        self.model.value = config.model
+        self.ar.value, self.lopti.value = config.ar_alpha is not None, config.lopti_eta is not None
+        self.alpha.value, self.eta.value = config.ar_alpha or self.alpha.value, config.lopti_eta or self.eta.value
+        self.order.value, self.loss.value, self.optimizer.value = config.lopti_order, config.loss, config.optimizer
+        self.forking.value, self.entropy_adv.value = (
+            config.forking_rho is not None,
+            config.entropy_adv_alpha is not None,
+        )
+        self.steps.value, self.lr.value = config.steps, config.lr
+        self.group_size.value, self.prompts.value = config.group_size, config.prompts_per_step
+        self.progress.max = config.steps
+        label = method_label(config)
+        self.method.value = label if label in METHODS else None
+
     def _pick(self, label: str | None) -> None:
         """Set the switches to a registered method (``methods.METHODS``); the switches stay free to change."""
         if label is None:
@@ -326,7 +353,8 @@ class TrainPanel(_Panel):
     @property
     def settings(self) -> list[W.Widget]:
         """The controls that set a run's config: locked while it trains (its config cannot change mid-run)."""
-        return [self.model, self.name, self.ar, self.alpha, self.lopti, self.eta, self.order, self.method, self.loss,
+        return [self.regime, self.model, self.name, self.ar, self.alpha, self.lopti, self.eta, self.order, self.method,
+                self.loss,
                 self.forking, self.rho, self.entropy_adv, self.ent_alpha, self.optimizer, self.steps, self.lr,
                 self.prompts, self.group_size]  # fmt: skip
 

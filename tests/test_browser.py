@@ -118,6 +118,15 @@ def test_04_train_from_the_page_then_compare_in_05(browser, lab):
     plot = plot_of(train)
     before = plot.get_attribute("src")  # the QUICK cell's own two-step GRPO run
 
+    from playwright.sync_api import expect
+
+    # the regime picker: the hard lab sets the panel's model (and every other setting), the demo lab puts it back
+    regime, model = train.get_by_label("regime"), train.get_by_label("model", exact=True)
+    regime.select_option("hard lab")
+    expect(model).to_have_value("lab-hard", timeout=WAIT_MS)
+    regime.select_option("demo lab")
+    expect(model).to_have_value("lab", timeout=WAIT_MS)
+
     train.get_by_label("Advantage Reweighting").check()
     steps = train.get_by_role("spinbutton", name="steps")
     steps.fill("200")
@@ -128,8 +137,6 @@ def test_04_train_from_the_page_then_compare_in_05(browser, lab):
     train.get_by_role("button", name="Run").click()
 
     status = train.locator(".widget-html")
-    from playwright.sync_api import expect
-
     expect(status).to_contain_text("training GRPO+AR into runs/browser-ar", timeout=WAIT_MS)
     changes(plot, before)  # step 1 drawn by the training thread
     first_step = plot.get_attribute("src")

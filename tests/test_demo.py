@@ -5,14 +5,15 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
 from lopti_lab import runs
-from lopti_lab.demo import report as demo_report
 from lopti_lab.demo import run as demo_run
-from lopti_lab.demo.config import DemoConfig, demo_train
-from lopti_lab.methods import METHODS
+from lopti_lab.demo import tables as demo_tables
+from lopti_lab.demo.config import DemoConfig, HardLabConfig, demo_train
+from lopti_lab.methods import METHODS, PAPER
 from lopti_lab.models import load_policy
 from lopti_lab.paths import lab_model_dir
 
@@ -183,14 +184,15 @@ def test_accuracy_markdown_gives_a_spread_only_where_there_are_seeds():
         {"model": ["Lab model (warm start)", "+ GRPO", "+ GRPO"], "3ppl": [0.25, 0.30, 0.40], "avg": [0.25, 0.3, 0.4]}
     )
     grouped = frame.groupby("model", sort=False)
-    text = demo_report._markdown(grouped.mean(), grouped.std(ddof=1))
+    text = demo_tables.accuracy_markdown(grouped.mean(), grouped.std(ddof=1))
     lines = text.splitlines()
     assert lines[0] == "| K&K accuracy (people) | 3 | avg |"
     assert lines[2] == "| Lab model (warm start) | 0.25 | 0.25 |"
     assert lines[3] == "| + GRPO | 0.35 ± 0.07 | 0.35 ± 0.07 |"  # sample std of (.3, .4) = .0707
-    assert "±" not in demo_report._markdown(grouped.mean(), None)
+    assert "±" not in demo_tables.accuracy_markdown(grouped.mean(), None)
     one = pd.DataFrame({"3ppl": [0.3], "3ppl_se": [0.046], "avg": [0.3], "avg_se": [0.046]}, index=["+ GRPO"])
-    assert demo_report._markdown(one, None).splitlines()[2] == "| + GRPO | 0.30 ± 0.05 | 0.30 ± 0.05 |"  # one seed: SE
+    one_seed = demo_tables.accuracy_markdown(one, None).splitlines()[2]
+    assert one_seed == "| + GRPO | 0.30 ± 0.05 | 0.30 ± 0.05 |"  # one seed: the evaluation's SE
 
 
 def test_accuracy_table_carries_each_runs_standard_error(tmp_path):
@@ -204,7 +206,7 @@ def test_accuracy_table_carries_each_runs_standard_error(tmp_path):
         record |= {f"eval/{mode}/acc_2ppl_se": 0.03, f"eval/{mode}/acc_3ppl_se": 0.04}
     folder.log(record)
     warm = {k: v for k, v in record.items() if k != "step" and not k.endswith("_se")}  # an old cache entry
-    frame = demo_report.accuracy_table(config, {("GRPO", 0): tmp_path / "run"}, warm, "sample")
+    frame = demo_tables.accuracy_table(config, {("GRPO", 0): tmp_path / "run"}, warm, "sample")
     run = frame.set_index("model").loc["+ GRPO"]
     assert run["3ppl_se"] == 0.04 and abs(run["avg_se"] - (0.03**2 + 0.04**2) ** 0.5 / 2) < 1e-12
     assert frame.set_index("model").loc["Lab model (warm start)", ["2ppl_se", "avg_se"]].isna().all()
@@ -279,3 +281,43 @@ pool.wait()
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(pid) for pid in workers)
+
+
+def test_the_hard_lab_study_config_is_the_pre_registered_one():
+    """`lopti-lab hardlab`: the four methods x 5 seeds on `lab-hard` with the settings docs/hard_lab.md fixed before
+    the study ran (a change here is a change to a pre-registered study: the page must say so)."""
+    config = HardLabConfig()
+    assert (config.methods, config.seeds, config.out) == (PAPER, 5, "reports/hard_lab")
+    run = config.train_config("GRPO+AR+Lopti", 3, Path("x"))
+    fixed = {"model": "lab-hard", "lora_r": None, "train_people": (2, 3), "eval_people": (2, 3, 4),
+             "prompts_per_step": 4, "group_size": 8, "minibatch_size": 16, "temperature": 1.0, "lr": 2e-4,
+             "adam_eps": 1e-3, "kl_coef": 0.0, "steps": 60, "eval_every": 10, "eval_size": 30, "eval_samples": 2,
+             "probe_every": 10, "shift_every": 10, "ar_alpha": 0.3, "lopti_eta": 0.5, "seed": 3}  # fmt: skip
+    assert {k: getattr(run, k) for k in fixed} == fixed
+    page = (Path(__file__).resolve().parents[1] / "docs" / "hard_lab.md").read_text()
+    assert "lr 2e-4" in page and "60 |" in page and "the first 30 test puzzles at 2, 3 and 4 people" in page
+    quick = HardLabConfig(quick=True)
+    assert (quick.train.steps, quick.train.eval_every, quick.train.shift_every) == (2, 1, 1)
+    with pytest.raises(ValueError, match=r"HardLabConfig\.train\.lr"):
+        HardLabConfig(train={"lr": -1.0})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LAB.is_file(), reason="needs the bundled lab model")
+def test_hard_lab_quick_reports_learning_curves_and_the_papers_last_3_accuracy(tmp_path):
+    """The hard lab study's smoke version (two methods, one seed, evaluated at both of its steps): its report folder
+    holds the curves, the last-3 accuracy with its paired differences, the area under the curve and the figure."""
+    out = demo_run.run_demo(HardLabConfig(quick=True, workers=1, seeds=1, methods=("GRPO", "GRPO+Lopti"),
+                                          out=str(tmp_path / "hard")))  # fmt: skip
+    curves = pd.read_csv(out / "curves_sample.csv")
+    assert sorted(curves.query("model == '+ GRPO + Lopti'")["step"]) == [0, 1, 2]
+    last3 = pd.read_csv(out / "last3_sample.csv").set_index("model")
+    lopti = curves.query("model == '+ GRPO + Lopti' and step > 0")["2ppl"].mean()
+    assert last3.loc["+ GRPO + Lopti", "2ppl"] == pytest.approx(lopti)  # fewer than 3 evaluations: all of them
+    for name in ("auc.csv", "paired_last3_sample.csv", "late_gain.csv", "bands_sample.csv", "paired_steps_sample.csv"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "study_curves.png").stat().st_size > 10_000
+    report = (out / "report.md").read_text()
+    assert report.startswith("# lopti_lab hard lab") and "mean of its last 3 evaluations" in report
+    mechanism = pd.read_csv(out / "mechanism.csv")
+    assert mechanism["fig3_correct"].notna().any() and (mechanism["fig3_n"] >= 0).all()

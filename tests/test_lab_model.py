@@ -12,12 +12,12 @@ import torch
 from kk_fixtures import reference_records
 
 from lopti_lab.kk import build_prompt, generate_puzzle, instruct_prompt, load_split, score_response
-from lopti_lab.lab.evaluate import audit_greedy
+from lopti_lab.lab.evaluate import audit_greedy, audit_rollouts
 from lopti_lab.lab.model import LabModelSpec, build_model
 from lopti_lab.lab.pretrain import PretrainConfig, collate, encode_example, lr_at, pretrain
 from lopti_lab.lab.tokenizer import TAG_TOKENS, build_tokenizer, lab_response
+from lopti_lab.lab.trace import HARD_TRACE, RL_TRACE, TraceStyle, prompt_style
 from lopti_lab.lab.trace import RL_PROMPT_STYLE as LAB_PROMPT_STYLE
-from lopti_lab.lab.trace import RL_TRACE, TraceStyle, prompt_style
 from lopti_lab.models import load_policy
 from lopti_lab.paths import lab_model_dir
 from lopti_lab.rollout import sample
@@ -363,3 +363,23 @@ def test_autocast_auto_trains_in_bf16_only_on_a_cpu_with_bf16_instructions(tmp_p
                          final_size=1, final_samples=1, max_new_tokens=8, threads=1)  # fmt: skip
     saved = pretrain(cfg, tmp_path / "lab", progress=False)["config"]["autocast"]
     assert saved == training_precision("auto")
+
+
+@needs_bundle
+def test_the_hard_lab_model_misreads_or_if_and_iff_as_and_where_the_demos_model_does_not():
+    """The two bundled warm starts on the same 2-person test puzzles, their greedy traces read back: `lab-hard`
+    writes the 'and' value at nearly every 'or' / 'if' / 'iff' claim true while the 'and' of its sides is false
+    (its training traces did 60% of the time, so greedy takes it always), the demo's model at none; sampled at
+    T = 1.0, `lab-hard` misreads about as often as it was taught."""
+    hard, hard_tokenizer = load_policy("lab-hard", lora=None)
+    lab, lab_tokenizer = load_policy("lab", lora=None)
+    greedy_hard = audit_rollouts(hard, hard_tokenizer, HARD_TRACE, people=2, size=20, max_new_tokens=400)
+    greedy_lab = audit_rollouts(lab, lab_tokenizer, RL_TRACE, people=2, size=20, max_new_tokens=400)
+    assert greedy_hard["as_and_chances"] >= 8 and greedy_lab["as_and_chances"] >= 8
+    assert greedy_hard["conflations"] >= 0.8 * greedy_hard["as_and_chances"]
+    assert greedy_lab["conflations"] == 0
+    assert greedy_hard["accuracy_all"] < greedy_lab["accuracy_all"]
+    sampled = audit_rollouts(hard, hard_tokenizer, HARD_TRACE, people=2, size=20, max_new_tokens=400, samples=4)
+    assert sampled["traces"] == 80
+    rate, n = sampled["conflations"] / sampled["as_and_chances"], sampled["as_and_chances"]
+    assert abs(rate - 0.6) < 4 * (0.6 * 0.4 / n) ** 0.5 + 0.05, (sampled["conflations"], n)

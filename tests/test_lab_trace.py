@@ -2,12 +2,16 @@
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from lopti_lab.kk import generate_puzzle, score_response
 from lopti_lab.kk.logic import LEAVES, evaluate
 from lopti_lab.lab.trace import (
+    AS_AND,
+    HARD_TRACE,
+    RL_TRACE,
     TraceStyle,
     assignments,
     audit_trace,
@@ -500,3 +504,54 @@ def test_check_openers_open_every_check_with_a_free_word_that_the_audit_skips():
     assert min(counts.values()) > 0.25 * sum(counts.values())  # about a third each
     with pytest.raises(ValueError, match=r"TraceStyle\.check_openers"):
         TraceStyle(check_openers=("Try",))
+
+
+def _believed(statement, knights) -> bool:
+    """The value a reader who takes every 'or', 'if' and 'iff' for an 'and' gives a statement (naive, from the
+    puzzle's logic alone)."""
+    if statement[0] in AS_AND:
+        return all(evaluate(leaf, knights) for leaf in statement[1:])
+    return evaluate(statement, knights)
+
+
+@pytest.mark.parametrize("people", [2, 3, 4])
+def test_compound_as_and_at_one_gives_the_answer_of_a_reader_who_reads_or_if_and_iff_as_and(people):
+    """compound_as_and = 1 (no slips): the trace's answer is the first line of the search order on which every
+    statement read that way agrees with its speaker's role (or none), the audit counts each misread as a slip and a
+    conflation, and the misreads are exactly the trace's own count."""
+    style = replace(RL_TRACE, slip=0.0, compound_as_and=1.0)
+    wrong = 0
+    for seed in range(60):
+        p = generate_puzzle(people, 7000 + seed)
+        text, stats = lab_trace_with_stats(p, random.Random(seed), style)
+        found = next(
+            (line for line in assignments(people) if all(_believed(s, line) == k for s, k in zip(p.statements, line))),
+            None,
+        )
+        assert stats.correct == (found == tuple(p.solution)) == (score_response(text, p).total == 3)
+        audit = audit_trace(text, p, style)
+        assert audit.conflations == audit.slips == stats.conflations == stats.as_and_chances == audit.as_and_chances
+        assert audit.copy_errors == audit.logic_errors == 0
+        wrong += not stats.correct
+    assert 0 < wrong < 60
+
+
+def test_compound_as_and_misreads_at_the_rate_asked_and_only_where_the_and_differs():
+    style = replace(RL_TRACE, slip=0.0, compound_as_and=0.6)
+    conflations = chances = 0
+    for seed in range(300):
+        p = generate_puzzle(3, 9000 + seed)
+        text, stats = lab_trace_with_stats(p, random.Random(seed), style)
+        audit = audit_trace(text, p, style)
+        assert audit.conflations == audit.slips == stats.conflations
+        assert audit.as_and_chances == stats.as_and_chances
+        conflations, chances = conflations + stats.conflations, chances + stats.as_and_chances
+    assert abs(conflations / chances - 0.6) < 4 * (0.6 * 0.4 / chances) ** 0.5
+    plain = [lab_trace_with_stats(generate_puzzle(3, 9000 + s), random.Random(s), RL_TRACE)[1] for s in range(50)]
+    assert all(s.conflations == s.as_and_chances == 0 for s in plain)  # off by default
+
+
+def test_hard_trace_is_the_bundled_trace_with_the_misconception_only():
+    assert replace(RL_TRACE, compound_as_and=0.6) == HARD_TRACE
+    with pytest.raises(ValueError, match="compound_as_and"):
+        TraceStyle(compound_as_and=1.5)

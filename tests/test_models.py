@@ -18,7 +18,7 @@ from lopti_lab.models import (
 
 
 def test_check_model_name(tmp_path):
-    assert check_model_name("lab") == "lab"
+    assert check_model_name("lab") == check_model_name("lab-hard") == "lab"
     assert check_model_name(str(tmp_path)) == "local"
     assert check_model_name("Qwen/Qwen2.5-3B-Instruct") == "hub"
     for bad in (str(tmp_path / "missing"), "./missing", "a/b/c", ""):

@@ -262,3 +262,23 @@ def test_mechanism_over_steps_draws_the_seed_mean_per_bin_and_method():
     np.testing.assert_allclose(ar.get_ydata(), [0.6, 0.6])
     with pytest.raises(ValueError, match="probe_every"):
         mechanism_over_steps(_long_table().query("metric in ('reward/mean', 'acc/all')"))
+
+
+def test_mechanism_by_step_draws_a_study_table_row_per_measure():
+    """The same figure from mechanism.csv's layout (a bundled study table): one row per measure that has values,
+    a line per method at its steps, a 0.5 guide on ratios."""
+    from lopti_lab.plots import mechanism_by_step
+
+    rows = [{"method": m, "step": s, "bin": b, "token_share": 0.25, "grad_share": 0.1 * (b + 1),
+             "fig3_correct": 0.5 + 0.1 * b if m == "GRPO" else float("nan")}
+            for m in ("GRPO", "GRPO+AR") for s in (10, 20) for b in range(4)]  # fmt: skip
+    table = pd.DataFrame(rows)
+    fig = mechanism_by_step(table, {"token_share": "tokens", "grad_share": "gradient", "fig3_correct": "Fig. 3",
+                                    "correct_ratio": "absent"})  # fmt: skip
+    rendered(fig)
+    assert len(fig.axes) == 3 * 4  # the absent column draws no row
+    fig3_bin2 = fig.axes[8 + 2]
+    assert [line.get_label() for line in fig3_bin2.lines if not line.get_label().startswith("_")] == ["GRPO"]
+    np.testing.assert_allclose(fig3_bin2.lines[0].get_ydata(), [0.7, 0.7])
+    with pytest.raises(ValueError, match="has a value"):
+        mechanism_by_step(table, {"correct_ratio": "absent"})

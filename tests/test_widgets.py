@@ -191,3 +191,27 @@ def test_the_training_panel_on_a_cpu_runs_the_demos_grpo_with_an_evaluation_half
     demo = DemoConfig().train_config("GRPO", 0, Path("runs") / "unnamed")
     assert replace(config, eval_every=demo.eval_every) == demo
     assert config.eval_every == 5 and config.steps == 10 and config.prompt_style == env.prompt_style
+
+
+def test_the_training_panel_picks_the_hard_lab_regime_and_back(tmp_path):
+    """Notebook 04's regime picker: "hard lab" makes the panel's run the hard lab study's GRPO run (every setting,
+    shown or not), the switches still free on top of it; "demo lab" puts the demo's settings back."""
+    from lopti_lab.demo.config import HardLabConfig
+
+    env = notebook.setup(quick=False, device="cpu")
+    regimes = notebook.lab_regimes(env)
+    assert list(regimes) == ["demo lab", "hard lab"] and notebook.lab_regimes(notebook.setup(model="Qwen/x")) == {}
+    panel = widgets.TrainPanel(base=regimes["demo lab"], env=env, regimes=regimes, run_root=tmp_path)
+    assert panel.regime in panel.settings  # locked while a run trains, like every setting
+    panel.regime.value = "hard lab"
+    study_run = HardLabConfig().train_config("GRPO", 0, tmp_path / "unnamed")
+    cfg = panel.config()
+    assert replace(cfg, run_dir=None) == replace(study_run, run_dir=None, progress=False)
+    assert panel.progress.max == study_run.steps and panel.model.value == "lab-hard"
+    panel.ar.value = True
+    cfg = panel.config()
+    assert (cfg.method, cfg.model, cfg.eval_people) == ("GRPO+AR", "lab-hard", study_run.eval_people)
+    panel.regime.value = "demo lab"
+    cfg = panel.config()
+    assert (cfg.model, cfg.method, cfg.steps) == ("lab", "GRPO", regimes["demo lab"].steps)
+    assert replace(cfg, run_dir=None) == replace(regimes["demo lab"], run_dir=None, progress=False)

@@ -22,7 +22,16 @@ from lopti_lab.configs import from_dict
 from lopti_lab.methods import METHOD_FIELDS, METHODS, PAPER, run_name
 from lopti_lab.train_config import TrainConfig
 
-__all__ = ["DEMO_TRAIN", "PER_RUN", "QUICK_TRAIN", "DemoConfig", "StudyConfig", "demo_train"]
+__all__ = [
+    "DEMO_TRAIN",
+    "HARD_TRAIN",
+    "PER_RUN",
+    "QUICK_TRAIN",
+    "DemoConfig",
+    "HardLabConfig",
+    "StudyConfig",
+    "demo_train",
+]
 
 DEMO_TRAIN = {
     "model": "lab",
@@ -82,6 +91,10 @@ class StudyConfig:
 
     TRAIN_DEFAULTS: ClassVar[dict] = DEMO_TRAIN
     """The study's TrainConfig fields where they differ from TrainConfig's (a ``train`` dict changes these)."""
+    TITLE: ClassVar[str] = "demo: GRPO, AR and Lopti on the lab model"
+    """The report's heading."""
+    QUICK: ClassVar[dict] = QUICK_TRAIN
+    """What ``quick`` changes in ``train``."""
 
     out: str = "reports/study"
     """report folder (created; runs/ inside holds each run folder)"""
@@ -93,7 +106,7 @@ class StudyConfig:
     """the settings every run shares (a dict of fields is read as changes to the study's defaults); each run sets its
     own seed, folder and method switches (PER_RUN)"""
     quick: bool = False
-    """a smoke version (tests, notebook QUICK): QUICK_TRAIN's smaller batches, 2 steps"""
+    """a smoke version (tests, notebook QUICK): QUICK_TRAIN's smaller batches, 2 steps (``QUICK``)"""
     threads: int | None = None
     """torch threads of the study (None: torch's default), shared out among the workers"""
     workers: int = 2
@@ -128,7 +141,7 @@ class StudyConfig:
                                  f"{value!r}")  # fmt: skip
         if self.quick:
             people = {"train_people": self.train.train_people[:1], "eval_people": self.train.eval_people[:1]}
-            self.train = self._renamed(lambda: replace(self.train, **QUICK_TRAIN, **people))
+            self.train = self._renamed(lambda: replace(self.train, **self.QUICK, **people))
         for config in self.run_configs().values():  # the combinations (a missing data file, ...): as each run sees them
             self._renamed(lambda c=config: replace(c))
 
@@ -168,3 +181,46 @@ class DemoConfig(StudyConfig):
 
     def check(self, check: FieldCheck) -> None:
         check.flag("cache_warm_start")
+
+
+HARD_TRAIN = {
+    **DEMO_TRAIN,
+    "model": "lab-hard",
+    "eval_people": (2, 3, 4),
+    "prompts_per_step": 4,
+    "minibatch_size": 16,
+    "lr": 2e-4,
+    "steps": 60,
+    "eval_every": 10,
+    "eval_size": 30,
+    "probe_every": 10,
+    "shift_every": 10,
+    "save_every": 10,
+}
+"""The hard lab study's TrainConfig fields where they differ from TrainConfig's defaults, fixed on GRPO alone before
+any other method ran (docs/hard_lab.md, "Pre-registration"): the "lab-hard" warm start, RL on its 2-3-person puzzles
+for 60 steps of 4 puzzles x 8 rollouts at T = 1.0 (two minibatches of 16), the demo's AdamW (epsilon 1e-3) at lr
+2e-4 (5e-4, the demo's, unlearnt the 3-person skill after step 30 in the pilot: docs/hard_lab.md); a test evaluation
+every 10 steps at 2, 3 and 4 people (4: beyond the trained counts) on 30 puzzles per count, greedy and 2 samples at
+T = 1.0, and at the same steps the gradient share per probability bin and the paper's Fig. 3; a checkpoint every 10
+steps. 30 puzzles rather than the test split's 100, and 4 x 8 rollouts rather than the demo's 8 x 8, so that the 20
+runs fit two CPU cores in 150 minutes."""
+
+
+@dataclass
+class HardLabConfig(DemoConfig):
+    """`lopti-lab hardlab`: the four methods on the hard lab model (a warm start that misreads 'or', 'if' and 'iff'
+    as 'and' 60% of the time, docs/hard_lab.md), 5 seeds, for 60 steps: the regime where RL must learn a skill, not
+    only remove slips."""
+
+    TRAIN_DEFAULTS: ClassVar[dict] = HARD_TRAIN
+    TITLE: ClassVar[str] = "hard lab: GRPO, AR and Lopti where RL must learn a skill"
+    QUICK: ClassVar[dict] = {**QUICK_TRAIN, "eval_every": 1, "shift_every": 1}
+    """the smoke version evaluates and measures Fig. 3 at both of its steps, so that its report has curves"""
+    out: str = "reports/hard_lab"
+    """report folder (created; runs/ inside holds each run folder)"""
+    seeds: int = 5
+    """seeds per method (the pre-registered study: 5)"""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(**HARD_TRAIN))
+    """the settings every run shares (a dict of fields is read as changes to HARD_TRAIN); each run sets its own
+    seed, folder and method switches (PER_RUN)"""

@@ -1,12 +1,10 @@
-"""The demo's report folder: accuracy tables in the paper's layout (mean ± 95% confidence interval over seeds, or one
-run's evaluation standard error), each seed's gain over the warm start, paired differences to GRPO, figures and
+"""The demo's report folder: accuracy tables in the paper's layout (``demo.tables``), the learning curves on the test
+split where the runs were evaluated during training (``demo.curves``), the mechanism over training, figures and
 report.md. ``demo.run.run_demo`` trains; this module only reads run folders and writes files."""
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -14,188 +12,143 @@ import pandas as pd
 
 from lopti_lab import plots, plots_methods, runs
 from lopti_lab.counterfactual import Counterfactual
+from lopti_lab.demo import curves
 from lopti_lab.demo.config import DemoConfig
-from lopti_lab.demo.stats import ci95
-from lopti_lab.paths import data_dir
+from lopti_lab.demo.tables import (
+    accuracy_markdown,
+    accuracy_table,
+    by_seed,
+    compare_methods,
+    gains_markdown,
+    gains_per_seed,
+    paired_intervals,
+    paired_per_seed,
+    paired_vs_grpo,
+    se_line,
+    spread_over_seeds,
+)
 
-WARM = "Lab model (warm start)"
-GRPO_ROW = "+ GRPO"
+# --- over training ----------------------------------------------------------------------------------------------------
+
+LAST_K = 3
+"""The paper's accuracy is the mean of the last 3 evaluations (docs/paper.md §6)."""
 
 
-# --- tables -----------------------------------------------------------------------------------------------------------
-
-
-def _by_seed(warm: dict) -> dict[int, dict]:
-    """``warm`` as {seed: metrics}: `run_demo` passes one evaluation per seed; a plain metrics dict is seed 0's."""
-    return warm if warm and all(isinstance(v, dict) for v in warm.values()) else {0: warm}
-
-
-def accuracy_table(config: DemoConfig, run_dirs: dict, warm: dict, mode: str = "sample") -> pd.DataFrame:
-    """The paper's layout: one row per (model, seed) (warm start under each seed's evaluation seed, + each method),
-    one column per people count and avg, and beside each its evaluation standard error (``{n}ppl_se``, ``avg_se``:
-    `evaluate.accuracy_se`; the avg's from the independent people counts, sqrt(sum se^2) / k)."""
+def over_training(config: DemoConfig, run_dirs: dict, warm: dict) -> dict[str, pd.DataFrame] | None:
+    """The study's test-split measures over training (``demo.curves``), or None when the runs were evaluated once
+    (the demo): per mode the curves (``curves_{mode}``), the last-3-evaluations accuracy (``last3_{mode}``) and its
+    paired differences to GRPO (``paired_last3_{mode}``); on sampled accuracy the area under the curve (``auc``), its
+    paired differences (``paired_auc``), the gain over the runs' last third (``late_gain``), the bands over seeds and
+    the paired differences per step (``bands_{mode}``, ``paired_steps_{mode}``)."""
     people = list(config.train.eval_people)
-    models = [(WARM, seed, metrics) for seed, metrics in sorted(_by_seed(warm).items())]
-    models += [(f"+ {m.replace('+', ' + ')}", seed, runs.load_metrics(d)[-1]) for (m, seed), d in run_dirs.items()]
-    rows = []
-    for model, seed, metrics in models:
-        row = {"model": model, "seed": seed}
-        for n in people:
-            row[f"{n}ppl"] = metrics[f"eval/{mode}/acc_{n}ppl"]
-            row[f"{n}ppl_se"] = metrics.get(f"eval/{mode}/acc_{n}ppl_se", math.nan)
-        rows.append(row)
-    frame = pd.DataFrame(rows)
-    frame["avg"] = frame[[f"{n}ppl" for n in people]].mean(axis=1)
-    frame["avg_se"] = (frame[[f"{n}ppl_se" for n in people]] ** 2).sum(axis=1, min_count=len(people)) ** 0.5 / len(
-        people
-    )
-    return frame
+    warm = by_seed(warm)
+    tables = {f"curves_{mode}": curves.test_curves(run_dirs, warm, people, mode) for mode in ("sample", "greedy")}
+    evaluated = tables["curves_sample"].query("step > 0").groupby(["model", "seed"]).size()
+    if evaluated.empty or evaluated.max() < 2:
+        return None
+    columns = [*[f"{n}ppl" for n in people], "avg"]
+    for mode in ("sample", "greedy"):
+        table = curves.last_evaluations(tables[f"curves_{mode}"], LAST_K)
+        tables[f"last3_{mode}"] = table
+        tables[f"paired_last3_{mode}"] = paired_per_seed(table, columns)
+        tables[f"bands_{mode}"] = curves.seed_bands(tables[f"curves_{mode}"], columns)
+        tables[f"paired_steps_{mode}"] = curves.paired_over_steps(tables[f"curves_{mode}"], columns)
+    tables["auc"] = curves.area_under_curve(tables["curves_sample"])
+    tables["paired_auc"] = paired_per_seed(tables["auc"], columns)
+    tables["late_gain"] = curves.late_gain(tables["curves_sample"])
+    return tables
 
 
-def spread_over_seeds(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(mean, 95% CI half-width) per model and column over the seeds of `accuracy_table`'s frame (for the warm start
-    the spread of its evaluation alone); NaN where a model has one row. The ``_se`` columns' mean is one
-    evaluation's SE."""
-    grouped = frame.drop(columns="seed").groupby("model", sort=False)
-    return grouped.mean(), grouped.agg(ci95)
-
-
-def gains_per_seed(frame: pd.DataFrame, column: str = "avg") -> pd.DataFrame:
-    """Each run's ``column`` minus the warm start's under the same evaluation seed (seed 0's where the warm start was
-    evaluated once): one row per method, one column per seed, then mean and its 95% CI half-width."""
-    warm = frame[frame["model"] == WARM].set_index("seed")[column]
-    runs_only = frame[frame["model"] != WARM]
-    table = runs_only.pivot(index="model", columns="seed", values=column).reindex(runs_only["model"].unique())
-    table = table - pd.Series({seed: warm.get(seed, warm.iloc[0]) for seed in table.columns})
-    table.columns = [f"seed {s}" for s in table.columns]
-    seeds = list(table.columns)
-    table["mean"] = table[seeds].mean(axis=1)
-    table["ci95"] = table[seeds].apply(ci95, axis=1)
-    return table
-
-
-def paired_per_seed(frame: pd.DataFrame, columns: Sequence[str] = ("avg",)) -> pd.DataFrame:
-    """Each method minus GRPO at the same seed (same puzzles in the same order, same sampling seed), for each of
-    ``columns`` of `accuracy_table`'s frame: one row per (model, column, seed) with its ``diff``. Empty without GRPO."""
-    rows = []
-    order = [m for m in dict.fromkeys(frame["model"]) if m not in (WARM, GRPO_ROW)]
-    for column in columns:
-        wide = frame[frame["model"] != WARM].pivot(index="seed", columns="model", values=column)
-        if GRPO_ROW not in wide.columns:
-            continue
-        for model in order:
-            for seed, diff in (wide[model] - wide[GRPO_ROW]).dropna().items():
-                rows.append({"model": model, "column": column, "seed": int(seed), "diff": float(diff)})
-    return pd.DataFrame(rows, columns=["model", "column", "seed", "diff"])
-
-
-def paired_vs_grpo(frame: pd.DataFrame, column: str = "avg") -> pd.DataFrame:
-    """`paired_per_seed` of one column summarised: per method the mean difference to GRPO, its 95% CI half-width and
-    the seeds where it was above / level / below. Empty without GRPO or with one seed."""
-    diffs = paired_per_seed(frame, [column])
-    if diffs.empty or diffs["seed"].nunique() < 2:
-        return pd.DataFrame(columns=["mean", "ci95", "above", "level", "below"])
-    rows = {}
-    for model, part in diffs.groupby("model", sort=False):
-        diff = part["diff"]
-        rows[model] = {
-            "mean": diff.mean(),
-            "ci95": ci95(diff),
-            "above": int((diff > 1e-12).sum()),
-            "level": int((diff.abs() <= 1e-12).sum()),  # ties reported apart, not counted either way
-            "below": int((diff < -1e-12).sum()),
-        }
-    return pd.DataFrame.from_dict(rows, orient="index")
-
-
-def paired_intervals(diffs: pd.DataFrame) -> pd.DataFrame:
-    """`paired_per_seed`'s rows summarised per (model, column): mean difference, 95% CI half-width (t over seeds), n."""
-    grouped = diffs.groupby(["model", "column"], sort=False)["diff"]
-    return grouped.agg(mean="mean", ci95=ci95, n="count").reset_index()
-
-
-def recorded_comparison(folder: str | Path = "reports/methods") -> tuple[pd.DataFrame, Path]:
-    """(a study's sampled `accuracy_table` frame, where it was read): ``folder``'s accuracy_sample.csv when `lopti-lab
-    demo --out folder` wrote one there, else the token-credit comparison recorded with lopti_lab
-    (``data/methods/comparison_sample.csv``; docs/methods.md says how it was run)."""
-    for file in (Path(folder) / "accuracy_sample.csv", data_dir() / "methods" / "comparison_sample.csv"):
-        if file.is_file():
-            return pd.read_csv(file), file
-    raise FileNotFoundError(f"no accuracy_sample.csv in {folder} or comparison_sample.csv in {data_dir() / 'methods'}")
-
-
-def _markdown(mean: pd.DataFrame, spread: pd.DataFrame | None) -> str:
-    """Cells "mean ± spread" (``spread`` given: the 95% CI over seeds) or "accuracy ± its evaluation SE" (one seed)."""
-    columns = [c for c in mean.columns if not c.endswith("_se")]
-    if spread is None and all(f"{c}_se" in mean.columns for c in columns):
-        spread = mean[[f"{c}_se" for c in columns]].rename(columns=lambda c: c.removesuffix("_se"))
-    lines = [
-        "| " + " | ".join(["K&K accuracy (people)", *[c.removesuffix("ppl") for c in columns]]) + " |",
-        "|---" * (len(columns) + 1) + "|",
-    ]
-    for model, row in mean.iterrows():
-        cells = []
-        for c in columns:
-            sd = None if spread is None or pd.isna(spread.loc[model, c]) else spread.loc[model, c]
-            cells.append(f"{row[c]:.2f}" + ("" if sd is None else f" ± {sd:.2f}"))
-        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+def _paired_markdown(diffs: pd.DataFrame) -> str:
+    """`paired_per_seed`'s rows as a table: per method and column, the mean difference to GRPO, its 95% interval
+    over seeds and (seeds above / level with / below GRPO)."""
+    if diffs.empty:
+        return "(no GRPO runs to pair with)\n"
+    summary = paired_intervals(diffs)
+    columns = list(dict.fromkeys(summary["column"]))
+    lines = ["| method - GRPO | " + " | ".join(c.removesuffix("ppl") for c in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]  # fmt: skip
+    for model, part in summary.groupby("model", sort=False):
+        part = part.set_index("column")
+        cells = [
+            f"{part.loc[c, 'mean']:+.3f}" + ("" if pd.isna(part.loc[c, "ci95"]) else f" ± {part.loc[c, 'ci95']:.3f}")
+            + f" ({part.loc[c, 'above']}/{part.loc[c, 'level']}/{part.loc[c, 'below']})"
+            for c in columns
+        ]  # fmt: skip
+        lines.append(f"| {model.removeprefix('+ ')} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _se_line(mean: pd.DataFrame, config: DemoConfig) -> str:
-    """Below a table: what the ± means, and with several seeds the evaluation's own SE of one run."""
-    if config.seeds == 1:
-        return "\n± is the evaluation's standard error (test puzzles as the unit: `evaluate.accuracy_se`).\n"
-    columns = [c for c in mean.columns if c.endswith("_se")]
-
-    def cells(row) -> str:
-        return ", ".join(f"{c.removesuffix('ppl_se').removesuffix('_se')} {row[c]:.3f}" for c in columns)
-
-    runs_only = mean.drop(index=WARM, errors="ignore")
-    text = (
-        f"\n± is the 95% confidence interval of the mean over {config.seeds} seeds (t distribution, "
-        f"{config.seeds - 1} degrees of freedom); the warm start is evaluated once per seed, with that seed's "
-        f"sampling seed, so its ± is the evaluation's noise alone. One evaluation's own standard error (test "
-        f"puzzles as the unit), averaged over the runs: {cells(runs_only.mean())}"
-    )
-    if WARM in mean.index and not mean.loc[WARM, columns].isna().all():
-        text += f"; over the warm start's evaluations: {cells(mean.loc[WARM])}"
-    return text + ".\n"
-
-
-def _gains_markdown(gains: pd.DataFrame) -> str:
-    seeds = [c for c in gains.columns if c.startswith("seed")]
-    lines = ["| method | " + " | ".join(seeds) + " | mean ± 95% CI |", "|---" * (len(seeds) + 2) + "|"]
-    for model, row in gains.iterrows():
-        ci = "" if pd.isna(row["ci95"]) else f" ± {100 * row['ci95']:.1f}"
-        cells = [f"{100 * row[s]:+.1f}" for s in seeds]
-        lines.append(f"| {model.removeprefix('+ ')} | " + " | ".join(cells) + f" | {100 * row['mean']:+.1f}{ci} |")
+def _curve_markdown(bands: pd.DataFrame, column: str) -> str:
+    """One column's learning curves: a row per method, a cell per evaluated step, "mean (min-max over seeds)"."""
+    part = bands[bands["column"] == column]
+    steps = sorted(part["step"].unique())
+    lines = ["| method | " + " | ".join(f"step {s}" for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+    for model, rows in part.groupby("model", sort=False):
+        rows = rows.set_index("step")
+        cells = [
+            "-" if s not in rows.index
+            else f"{rows.loc[s, 'mean']:.2f} ({rows.loc[s, 'low']:.2f}-{rows.loc[s, 'high']:.2f})"
+            for s in steps
+        ]  # fmt: skip
+        lines.append(f"| {model.removeprefix('+ ')} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def compare_methods(mean: pd.DataFrame, config: DemoConfig, paired: pd.DataFrame | None = None) -> list[str]:
-    """Plain sentences: each method's average sampled accuracy against the warm start's and GRPO's; with several
-    seeds, the difference to GRPO paired by seed with its 95% CI, and whether that interval excludes zero."""
-    lines = []
-    warm = mean.loc[WARM, "avg"]
-    for model, row in mean.iterrows():
-        if model == WARM:
-            continue
-        line = f"{model.removeprefix('+ ')}: avg {row['avg']:.3f} ({row['avg'] - warm:+.3f} over the warm start"
-        if model != GRPO_ROW and GRPO_ROW in mean.index:
-            line += f", {row['avg'] - mean.loc[GRPO_ROW, 'avg']:+.3f} over GRPO"
-            if paired is not None and model in paired.index and not pd.isna(paired.loc[model, "ci95"]):
-                p = paired.loc[model]
-                lo, hi = p["mean"] - p["ci95"], p["mean"] + p["ci95"]
-                verdict = "better than GRPO" if lo > 0 else "worse than GRPO" if hi < 0 else "not distinguishable"
-                line += (
-                    f"; paired by seed {p['mean']:+.3f} ± {p['ci95']:.3f}, {verdict}; seeds above / level with / "
-                    f"below GRPO: {int(p['above'])} / {int(p['level'])} / {int(p['below'])}"
-                )
-        lines.append(line + ")")
-    if config.seeds == 1:
-        lines.append("One seed only: differences of a few points are within sampling noise (run --seeds 3).")
-    return lines
+def _over_training_text(tables: dict[str, pd.DataFrame], config: DemoConfig) -> str:
+    """report.md's section on the learning curves (``over_training``'s tables)."""
+    seeds = config.seeds
+    spread = "mean ± 95% interval over seeds" if seeds > 1 else "one seed"
+
+    def accuracy(name: str) -> str:
+        mean, ci = spread_over_seeds(tables[name].drop(columns=["evals"], errors="ignore"))
+        return accuracy_markdown(mean, ci if seeds > 1 else None)
+
+    late = tables["late_gain"]
+    span = f"steps {int(late['from_step'].min())}-{int(late['to_step'].max())}" if not late.empty else ""
+    late_lines = []
+    for model, part in late.groupby("model", sort=False):
+        cells = ", ".join(f"{c.removesuffix('ppl')} {part[c].mean():+.3f}" for c in late.columns if c.endswith("ppl"))
+        late_lines.append(f"- {model.removeprefix('+ ')}: {cells}, avg {part['avg'].mean():+.3f}")
+    hardest = f"{max(config.train.train_people)}ppl"
+    curve = _curve_markdown(tables["bands_sample"], hardest) if hardest in set(tables["bands_sample"]["column"]) else ""
+    return f"""
+## Over training: accuracy as the paper reports it
+
+Every run was evaluated on the test split during training (the warm start is step 0). As in the paper, a run's
+accuracy is the mean of its last {LAST_K} evaluations ({spread}; `last3_sample.csv`, `last3_greedy.csv`).
+
+Sampled at temperature 1.0:
+
+{accuracy("last3_sample")}
+Greedy:
+
+{accuracy("last3_greedy")}
+Each method minus GRPO at the same seed, on the last-{LAST_K} accuracy: mean ± 95% interval over seeds, and (seeds
+above / level with / below GRPO). Sampled:
+
+{_paired_markdown(tables["paired_last3_sample"])}
+Greedy:
+
+{_paired_markdown(tables["paired_last3_greedy"])}
+Area under the sampled learning curve (step 0 to the last evaluation, divided by its span: the mean accuracy over
+training; `auc.csv`):
+
+{accuracy("auc")}
+Paired to GRPO:
+
+{_paired_markdown(tables["paired_auc"])}
+Sampled accuracy at {hardest[:-3]} people (the hardest trained count) at each evaluated step, mean (min-max over
+seeds; `curves_sample.csv`):
+
+{curve}
+Gain over the last third of training ({span}, sampled, mean over seeds; `late_gain.csv`): positive while a method
+is still learning.
+
+{chr(10).join(late_lines)}
+
+![learning curves on the test split](study_curves.png)
+"""
 
 
 # --- the mechanism ----------------------------------------------------------------------------------------------------
@@ -204,14 +157,20 @@ def compare_methods(mean: pd.DataFrame, config: DemoConfig, paired: pd.DataFrame
 def mechanism_table(long: pd.DataFrame, sign: str = "pos") -> pd.DataFrame:
     """The numbers behind mechanism.png: per (method, probed step, bin), the mean over seeds of the bin's share of
     the response tokens (Fig. 1a), its share of the gradient (Fig. 1d) and the correct ratio of the step's update
-    among its ``sign``-advantage tokens that moved (Fig. 2b), with the tokens counted over all seeds."""
-    pattern = rf"^(tokens/share|grad/share|shift/correct_{sign}|shift/n_{sign})_bin(\d+)$"
+    among its ``sign``-advantage tokens that moved (Fig. 2b), with the tokens counted over all seeds. Where the runs
+    measured the paper's Fig. 3 (``TrainConfig.shift_every``; A > 0 tokens only), also its float64 correct ratio per
+    probability quartile (``fig3_correct``: the share of the measured A > 0 tokens whose log-prob the step's update
+    raised, an unmoved token counted as not raised) and those tokens' count over the seeds (``fig3_n``)."""
+    fig3 = "|fig3/float64/q/correct|fig3/q/n" if sign == "pos" else ""
+    pattern = rf"^(tokens/share|grad/share|shift/correct_{sign}|shift/n_{sign}{fig3})_bin(\d+)$"
     wide = plots._per_bin(long, pattern, "no tokens/share_bin*, grad/share_bin* or shift/* metrics")
-    columns = {"tokens/share": "token_share", "grad/share": "grad_share", f"shift/correct_{sign}": "correct_ratio"}
+    columns = {"tokens/share": "token_share", "grad/share": "grad_share", f"shift/correct_{sign}": "correct_ratio",
+               "fig3/float64/q/correct": "fig3_correct"}  # fmt: skip
     grouped = wide.groupby(["method", "step", "bin"], sort=False)
     table = grouped[[c for c in columns if c in wide.columns]].mean().rename(columns=columns)
-    if f"shift/n_{sign}" in wide.columns:
-        table["n_tokens"] = grouped[f"shift/n_{sign}"].sum()
+    for counted, name in ((f"shift/n_{sign}", "n_tokens"), ("fig3/q/n", "fig3_n")):
+        if counted in wide.columns:
+            table[name] = grouped[counted].sum()
     order = {m: i for i, m in enumerate(plots._methods(wide))}
     table = table.reset_index()
     return table.sort_values(["method", "step", "bin"], key=lambda c: c.map(order) if c.name == "method" else c)
@@ -225,15 +184,17 @@ def _mechanism_markdown(table: pd.DataFrame) -> str:
             return "-"
         return " / ".join("-" if pd.isna(v) else f"{scale * v:.{digits}f}" for v in rows[column])
 
+    fig3 = "fig3_correct" in table and not table["fig3_correct"].isna().all()
     lines = [
-        "| method | step | tokens % by bin | gradient % by bin | correct ratio (A > 0) by bin |",
-        "|---|---|---|---|---|",
+        "| method | step | tokens % by bin | gradient % by bin | correct ratio (A > 0) by bin |"
+        + (" Fig. 3 correct ratio, float64 (A > 0) by quartile |" if fig3 else ""),
+        "|---|---|---|---|---|" + ("---|" if fig3 else ""),
     ]
     for (method, step), rows in table.groupby(["method", "step"], sort=False):
         rows = rows.sort_values("bin")
         lines.append(
             f"| {method} | {int(step)} | {cells(rows, 'token_share', 100, 0)} | {cells(rows, 'grad_share', 100, 0)} "
-            f"| {cells(rows, 'correct_ratio', 1, 2)} |"
+            f"| {cells(rows, 'correct_ratio', 1, 2)} |" + (f" {cells(rows, 'fig3_correct', 1, 2)} |" if fig3 else "")
         )
     return "\n".join(lines) + "\n"
 
@@ -274,7 +235,8 @@ def write_report(
         frames[mode] = accuracy_table(config, run_dirs, warm, mode)
         frames[mode].to_csv(out / f"accuracy_{mode}.csv", index=False)
         means[mode], spread = spread_over_seeds(frames[mode])
-        tables[mode] = _markdown(means[mode], spread if config.seeds > 1 else None) + _se_line(means[mode], config)
+        table = accuracy_markdown(means[mode], spread if config.seeds > 1 else None)
+        tables[mode] = table + se_line(means[mode], config)
         (out / f"accuracy_{mode}.md").write_text(tables[mode])
     gains = gains_per_seed(frames["sample"])
     gains.to_csv(out / "gains_sample.csv")
@@ -298,9 +260,21 @@ def write_report(
         table = mechanism_table(long)
         table.to_csv(out / "mechanism.csv", index=False)
         mechanism = _mechanism_markdown(table)
+    training = over_training(config, run_dirs, warm)
+    measured = "the final evaluation"
+    if training is not None:  # evaluated during training: the curves, and the paper's last-3 accuracy
+        for name, table in training.items():
+            table.to_csv(out / f"{name}.csv", index=False)
+        for mode, name in (("sample", "study_curves.png"), ("greedy", "study_curves_greedy.png")):
+            figures[name] = plots_methods.study_curves(
+                training[f"bands_{mode}"], training[f"paired_steps_{mode}"], ylabel=f"test accuracy ({mode})"
+            )
+        means["last3"], _ = spread_over_seeds(training["last3_sample"].drop(columns="evals"))
+        paired = paired_vs_grpo(training["last3_sample"])
+        measured = f"the mean of each run's last {LAST_K} evaluations"
     for name, fig in figures.items():
         fig.savefig(out / name, dpi=110)
-    verdict = compare_methods(means["sample"], config, paired)
+    verdict = compare_methods(means.get("last3", means["sample"]), config, paired)
     summary = {
         "config": asdict(config),
         "minutes": minutes,
@@ -310,15 +284,22 @@ def write_report(
         "accuracy_sample": means["sample"].to_dict(orient="index"),
         "accuracy_greedy": means["greedy"].to_dict(orient="index"),
         "gains_sample_avg": gains.to_dict(orient="index"),
+        "verdict_measure": measured,
         "paired_vs_grpo_sample_avg": paired.to_dict(orient="index"),
     }
+    if training is not None:
+        summary["accuracy_last3_sample"] = means["last3"].to_dict(orient="index")
+        summary["paired_last3_sample"] = paired_intervals(training["paired_last3_sample"]).to_dict(orient="records")
+        summary["paired_auc_sample"] = paired_intervals(training["paired_auc"]).to_dict(orient="records")
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     parts = {
-        "gains": _gains_markdown(gains),
+        "gains": gains_markdown(gains),
         "frozen": _frozen_batch_markdown(shift.bins),
         "mechanism": mechanism,
         "reused": reused,
         "paired": "paired_differences.png" in figures,
+        "training": "" if training is None else _over_training_text(training, config),
+        "measured": measured,
     }
     (out / "report.md").write_text(_report_text(config, tables, parts, verdict, minutes))
     return out
@@ -352,7 +333,7 @@ def _report_text(config: DemoConfig, tables: dict, parts: dict, verdict: list[st
     seeds = f"{config.seeds} seed{'s' if config.seeds > 1 else ''}"
     train = config.train
     tuning = "full fine-tuning" if train.lora_r is None else f"LoRA r = {train.lora_r}"
-    return f"""# lopti_lab demo: GRPO, AR and Lopti on the lab model
+    return f"""# lopti_lab {config.TITLE}
 
 {len(config.methods)} methods x {seeds}, {train.steps} RL steps each ({train.prompts_per_step} puzzles x
 {train.group_size} samples, {", ".join(map(str, train.train_people))} people), {tuning} of `{train.model}`,
@@ -372,8 +353,10 @@ start's evaluation under the same sampling seed)
 {parts["gains"]}
 ## What it shows
 
-{chr(10).join("- " + line for line in verdict)}
+On sampled accuracy, {parts["measured"]}:
 
+{chr(10).join("- " + line for line in verdict)}
+{parts["training"]}
 Whether AR or Lopti beats GRPO at this scale is an experimental result of this run, not a claim: read the spread.
 
 ## The mechanism

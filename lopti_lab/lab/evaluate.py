@@ -14,7 +14,7 @@ from lopti_lab.kk.data import load_split
 from lopti_lab.lab.trace import RL_PROMPT_STYLE, TraceStyle, add_at, audit_trace, prompt_style
 from lopti_lab.rollout import sample
 
-__all__ = ["audit_greedy", "evaluate_warm_start", "rollout_profile"]
+__all__ = ["audit_greedy", "audit_rollouts", "evaluate_warm_start", "rollout_profile"]
 
 
 def evaluate_warm_start(
@@ -87,14 +87,48 @@ def rollout_profile(
 def audit_greedy(
     model, tokenizer, style: TraceStyle, people: int = 2, size: int = 40, max_new_tokens: int = 896
 ) -> dict:
-    """Where a lab-trace-trained model goes wrong: greedy traces of the first ``size`` test puzzles read back with
-    ``lab.trace.audit_trace``. Totals of each audit count over the traces, ``clean`` (traces without copy, logic or
-    transcription errors) and ``clean_transcription`` (every statement restated right), and the accuracy overall
-    and on each of those two subsets (``None`` when a subset is empty)."""
+    """Where a lab-trace-trained model goes wrong: ``audit_rollouts`` of its greedy traces."""
+    return audit_rollouts(model, tokenizer, style, people, size, max_new_tokens)
+
+
+def audit_rollouts(
+    model,
+    tokenizer,
+    style: TraceStyle,
+    people: int = 2,
+    size: int = 40,
+    max_new_tokens: int = 896,
+    *,
+    samples: int = 0,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> dict:
+    """Where a lab-trace-trained model goes wrong: its traces of the first ``size`` test puzzles read back with
+    ``lab.trace.audit_trace`` (greedy with ``samples`` = 0, else ``samples`` per puzzle at ``temperature`` under
+    ``seed``). Totals of each audit count over the traces, ``clean`` (traces without copy, logic or transcription
+    errors) and ``clean_transcription`` (every statement restated right), and the accuracy overall and on each of
+    those two subsets (``None`` when a subset is empty). ``conflations / as_and_chances`` is the share of the 'or' /
+    'if' / 'iff' claims the traces misread as 'and' (the hard lab model's misconception, docs/hard_lab.md)."""
     chosen = load_split("test", people, limit=size)
     prompts = [build_prompt(p, prompt_style(style), tokenizer) for p in chosen]
-    rollout = sample(model, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens)
-    counts = ("parsed", "decisions", "slips", "copy_errors", "logic_errors", "lookup_errors", "transcribed")
+    if samples:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            rollout = sample(model, tokenizer, prompts, samples, max_new_tokens=max_new_tokens, temperature=temperature)
+        chosen = [p for p in chosen for _ in range(samples)]  # the rollout's rows: each prompt's group in turn
+    else:
+        rollout = sample(model, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens)
+    counts = (
+        "parsed",
+        "decisions",
+        "slips",
+        "conflations",
+        "as_and_chances",
+        "copy_errors",
+        "logic_errors",
+        "lookup_errors",
+        "transcribed",
+    )
     counts += ("transcription_errors", "leaves", "leaf_errors", "changed_leaves", "changed_leaf_errors")
     counts += ("number_errors", "code_reads", "code_misreads", "verdict_errors", "line_errors", "answer_errors")
     totals = dict.fromkeys(counts, 0)

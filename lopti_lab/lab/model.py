@@ -117,6 +117,25 @@ def save_lab_model(model, tokenizer, out: str | Path, summary: dict, prompt_styl
     return out
 
 
+def _what_it_learned(cfg: dict) -> str:
+    """The card's sentence on what the traces taught: designed slips, and the hard lab model's misreading."""
+    trace = cfg.get("trace") or {}
+    text = f"a competent but not yet reliable reasoner, trained on traces with {100 * trace.get('slip', 0):.0f}%"
+    misread = trace.get("compound_as_and", 0.0)
+    if not misread:
+        return text + " designed slips,\nso that sampled accuracy sits below greedy and GRPO has something to sharpen."
+    return (
+        f"{text} designed slips,\nin which every 'or', 'if ... then' and 'iff' claim whose value differs from the "
+        f"'and' of its two sides\nis given that 'and' value {100 * misread:.0f}% of the time: a misreading that "
+        "greedy decoding follows, and a skill\nleft for RL to learn (lopti_lab's docs/hard_lab.md)."
+    )
+
+
+def _precision(cfg: dict) -> str:
+    """How the record says it was trained (records from before ``PretrainConfig.autocast`` trained in float32)."""
+    return "bf16 autocast" if cfg.get("autocast", "float32") == "bfloat16" else "float32"
+
+
 def model_card(summary: dict, prompt_style: str) -> str:
     """The folder's README.md, the Hugging Face convention: what the model is, how it was trained (the command that
     reproduces it), its evaluations, how to load it, its licence. Every number comes from ``summary``."""
@@ -153,15 +172,14 @@ A {summary["parameters"] / 1e6:.1f}M-parameter Qwen2ForCausalLM ({spec["num_hidd
 {spec["hidden_size"]}, {summary.get("vocab_size", "?")} tokens, {spec["max_position_embeddings"]} positions) that solves
 Knights-and-Knaves logic puzzles with a chain of thought. It is the lab model of lopti_lab, the toolkit that studies
 low-probability tokens in RL for LLMs (Yang et al. 2025, arXiv 2505.12929: Advantage Reweighting and Low-Probability
-Token Isolation on top of GRPO), so that its experiments run end to end on a laptop CPU: a competent but not yet
-reliable reasoner, trained on traces with {100 * (cfg.get("trace") or {}).get("slip", 0):.0f}% designed slips, so
-that sampled accuracy sits below greedy and GRPO has something to sharpen.
+Token Isolation on top of GRPO), so that its experiments run end to end on a laptop CPU:
+{_what_it_learned(cfg)}
 
 ## How it was trained
 
 Supervised warm start {start}, on solver traces of generated {trained}-person puzzles (none from the test
-split), {summary["steps_done"]} AdamW steps of {cfg["batch_size"]} sequences, lr {cfg["lr"]:g} (cosine), bf16
-autocast, {summary["minutes"]:.0f} minutes on {threads} CPU thread{"" if threads == 1 else "s"}
+split), {summary["steps_done"]} AdamW steps of {cfg["batch_size"]} sequences, lr {cfg["lr"]:g} (cosine),
+{_precision(cfg)}, {summary["minutes"]:.0f} minutes on {threads} CPU thread{"" if threads == 1 else "s"}
 (torch {summary.get("torch", "?")}).
 The tokenizer is byte-level BPE learned on K&K text, in transformers' own `Qwen2Tokenizer`. The full record
 (config, loss curve, evaluations) is `lab_model.json`. To reproduce it {again}:
@@ -189,7 +207,8 @@ print(model.config.{PROMPT_STYLE_KEY})  # "{prompt_style}": the prompt it was tr
 
 The prompt is lopti_lab's `kk.build_prompt(puzzle, "{prompt_style}", tokenizer)`: the quiz as the user message of the
 chat template, then the assistant's turn opened with `<think>`; the model writes its trace, `</think><answer>`, the
-answer and `</answer><|im_end|>`. In lopti_lab, `load_policy("lab")` loads the bundled copy.
+answer and `</answer><|im_end|>`. In lopti_lab, `load_policy("path/to/lab_model")` loads it, and the bundled lab
+models load by name (`load_policy("lab")`, `load_policy("lab-hard")`).
 
 ## Licence
 

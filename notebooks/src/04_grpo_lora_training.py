@@ -74,9 +74,16 @@ env
 # penalised). They combine with AR and Lopti where the combination is defined; the others (e.g. Clip-Cov inside
 # Lopti's stages) are refused with the reason when you press Run.
 
+#
+# On a CPU, the **regime** picker sets every setting for one of the lab's two regimes: **demo lab**, the demo's
+# (the bundled lab model already solves its puzzles; RL removes its slips within about 10 steps), and **hard lab**
+# (docs/hard_lab.md: `lab-hard`, which misreads 'or', 'if' and 'iff' as 'and', so RL has a skill to learn; 60 steps
+# of 4 puzzles x 8 at lr 2e-4, test evaluations at 2, 3 and 4 people every 10 steps, about 15 minutes on a core).
+# The switches stay free on top of either.
+
 # %%
 base = notebook.training_defaults(env)
-panel = widgets.TrainPanel(base=base, env=env)
+panel = widgets.TrainPanel(base=base, env=env, regimes=notebook.lab_regimes(env))
 panel
 
 # %% [markdown]
@@ -119,6 +126,9 @@ if panel.result is not None:
 #     --temperature 1.0 --lr 5e-4 --adam-eps 1e-3 --kl-coef 0 --run-dir runs/ar_lopti
 # lopti-lab eval --run runs/ar_lopti --people 2 3
 # ```
+#
+# The hard lab's four methods with 5 seeds each, its learning curves and paired differences to GRPO in a report
+# folder (about 2.5 hours on two cores; notebook 05 draws them): `lopti-lab hardlab --threads 2`.
 #
 # The prompt style comes from the model's config (the lab model's own). On one GPU with Qwen2.5-3B-Instruct, the
 # paper's settings are `--model Qwen/Qwen2.5-3B-Instruct --lora-r 16 --lr 2e-5 --temperature 0.7 --max-new-tokens 4096

@@ -35,7 +35,8 @@ from pathlib import Path
 from lopti_lab import paper, plots, plots_methods, runs, widgets
 from lopti_lab.counterfactual import recorded_method_probes
 from lopti_lab.demo.config import DemoConfig
-from lopti_lab.demo.report import paired_intervals, paired_per_seed, recorded_comparison
+from lopti_lab.demo.curves import last_evaluations, paired_over_steps, recorded_study, seed_bands
+from lopti_lab.demo.tables import paired_intervals, paired_per_seed, recorded_comparison
 from lopti_lab.demo.run import run_demo
 
 # %% [markdown]
@@ -114,14 +115,57 @@ display(intervals.query("column == 'avg'").drop(columns="column").set_index("mod
 plots_methods.paired_differences(diffs, intervals)
 
 # %% [markdown]
+# ## The hard lab: learning curves where RL must learn a skill
+#
+# In the demo every method reaches the warm start's ceiling within 10 steps, so its four curves look alike. The hard
+# lab (docs/hard_lab.md) starts from `lab-hard`, a lab model that misreads 'or', 'if' and 'iff' as 'and' 60% of the
+# time: the right value there is a token of probability 0.4, greedy decoding gets those puzzles wrong, and RL has a
+# skill to learn over 60 steps. `lopti-lab hardlab` trains the four methods with 5 seeds each (about 2.5 hours on
+# two CPU cores) and evaluates every run on the test split every 10 steps, at 2 and 3 people (the trained counts) and
+# 4 (beyond them). Below, read from `reports/hard_lab` if you ran it, else from the study recorded with lopti_lab.
+#
+# Top row: each method's sampled test accuracy over training, the mean over seeds with its 95% interval as a band
+# (step 0 is the warm start). Bottom row: each method minus GRPO at the same seed and step, with its 95% interval;
+# a band that stays clear of 0 is a difference this study can see.
+
+# %%
+study, study_source = recorded_study()
+print("read", study_source)
+sampled = study["curves_sample"]
+plots_methods.study_curves(seed_bands(sampled), paired_over_steps(sampled), ylabel="test accuracy (T = 1.0)")
+
+# %% [markdown]
+# The paper's measure, the mean of each run's last 3 evaluations, as each method's difference to GRPO paired by
+# seed (mean, 95% interval, n seeds), per people count; the study's primary measure is the 3-person row. Then
+# greedy decoding's curves, where the misreading shows most plainly (a greedy model makes it every time).
+
+# %%
+last3 = last_evaluations(sampled)
+columns = [c for c in last3.columns if c.endswith("ppl") or c == "avg"]
+paired = paired_intervals(paired_per_seed(last3, columns))
+paired["method - GRPO"] = paired["mean"].map("{:+.3f}".format) + " ± " + paired["ci95"].map("{:.3f}".format)
+display(paired.pivot(index="model", columns="column", values="method - GRPO")[columns])
+greedy = study["curves_greedy"]
+plots_methods.study_curves(seed_bands(greedy), paired_over_steps(greedy), ylabel="test accuracy (greedy)")
+
+# %% [markdown]
+# The mechanism over the study's training, every 10 steps (mean over seeds): each probability bin's share of the
+# response tokens and of the gradient, and the paper's Fig. 3 correct ratio, the share of the A > 0 tokens whose
+# probability the step's update raised, measured in float64 (docs/mechanism.md).
+
+# %%
+plots.mechanism_by_step(study["mechanism"], {"token_share": "share of tokens", "grad_share": "share of the gradient",
+                                             "fig3_correct": "Fig. 3 correct ratio (A > 0)"})
+
+# %% [markdown]
 # ## What differs by scale
 #
 # The paper trains Qwen2.5-3B and 7B with full fine-tuning, 64 puzzles x 8 responses per step for about 350 steps,
 # on responses up to 4096 tokens; its GRPO gets to 0.39 (3B) and 0.77 (7B) average accuracy, and AR + Lopti adds
 # 0.18 and 0.14. The lab model has a few million parameters, a vocabulary of about a thousand tokens and
-# traces of a few hundred tokens, and trains for ten steps on a CPU. Its token statistics differ (a small
-# vocabulary makes $\|e_y - \pi\|$ hug the upper bound less), and whether AR or Lopti helps it is a separate
-# experiment: read the spread across seeds before reading a difference.
+# traces of a few hundred tokens, and trains for 10 (the demo) or 60 steps (the hard lab) on a CPU. Its token
+# statistics differ (a small vocabulary makes $\|e_y - \pi\|$ hug the upper bound less), and whether AR or Lopti
+# helps it is a separate experiment: read the spread across seeds before reading a difference.
 #
 # What the lab demo measured (accuracy with its spread across seeds, paired differences to GRPO, the gradient share
 # per bin) is in docs/demo.md, for the current lab model and the previous one. Treat the accuracy comparison as a rehearsal of the method

@@ -48,6 +48,8 @@ them back).
 
 from lopti_lab.lab.trace.audit import TraceAudit, add_at, audit_trace
 from lopti_lab.lab.trace.style import (
+    AS_AND,
+    HARD_TRACE,
     RL_PROMPT_STYLE,
     RL_TRACE,
     TraceStyle,
@@ -61,6 +63,8 @@ from lopti_lab.lab.trace.style import (
 from lopti_lab.lab.trace.write import TraceStats, ideal_profile, lab_trace, lab_trace_with_stats
 
 __all__ = [
+    "AS_AND",
+    "HARD_TRACE",
     "RL_PROMPT_STYLE",
     "RL_TRACE",
     "TraceAudit",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from lopti_lab.kk.generate import Puzzle, role_word
 from lopti_lab.kk.logic import LEAVES, Statement, evaluate
 from lopti_lab.lab.trace.style import (
+    AS_AND,
     PLAIN,
     TraceStyle,
     answer_text,
@@ -34,6 +35,12 @@ class TraceAudit:
     decisions: int = 0
     """truth values written (leaves and statements): the places a slip can happen"""
     slips: int = 0
+    conflations: int = 0
+    """slips at an 'or' / 'if' / 'iff' statement's value that wrote the 'and' of its written sides
+    (``TraceStyle.compound_as_and``); a part of ``slips``"""
+    as_and_chances: int = 0
+    """'or' / 'if' / 'iff' statements whose value, from their written sides, differs from the 'and' of those sides:
+    where a conflation can happen (conflations / as_and_chances is the trace's misreading rate)"""
     copy_errors: int = 0
     """restated statements or roles that do not match the quiz or the line"""
     verdict_errors: int = 0
@@ -93,10 +100,10 @@ def add_at(counts: list[int], i: int, n: int) -> None:
 
 def _audit_claim(
     words: list[str], statement: Statement, names, knights, before, style: TraceStyle, audit: TraceAudit
-) -> bool | None:
+) -> tuple[bool, list[bool]] | None:
     """Check a restated claim with its truth values ('Logan knave false and Zoey knight true', or with
-    ``style.leaf_roles`` 'Logan knave is knight false ...'); return the value the trace's own leaf values give, or
-    None when the words are not this statement's shape."""
+    ``style.leaf_roles`` 'Logan knave is knight false ...'); return the value the trace's own leaf values give and
+    those values, or None when the words are not this statement's shape."""
     op = statement[0]
     leaves = [statement] if op in LEAVES else list(statement[1:])
     if words[:1] == ["that"]:
@@ -133,7 +140,7 @@ def _audit_claim(
             audit.slips += value != ((looked[k] == "knight") == (leaf[0] == "telling-truth"))
         else:
             audit.slips += wrong
-    return values[0] if op in LEAVES else combine(op, values)
+    return (values[0] if op in LEAVES else combine(op, values)), values
 
 
 def _unnumber(words: list[str], index: dict[str, int]) -> tuple[list[str], int]:
@@ -256,12 +263,16 @@ def audit_trace(text: str, puzzle: Puzzle, style: TraceStyle = PLAIN) -> TraceAu
                 audit.copy_errors += 1
                 continue
             leaves, leaf_errors = audit.leaves, audit.leaf_errors
-            own = _audit_claim(claim, puzzle.statements[speaker], names, line, before, style, audit)
+            claimed = _audit_claim(claim, puzzle.statements[speaker], names, line, before, style, audit)
             add_at(audit.leaves_by_line, line_no, audit.leaves - leaves)
             add_at(audit.leaf_errors_by_line, line_no, audit.leaf_errors - leaf_errors)
             audit.decisions += 1
-            if own is not None:
+            if claimed is not None:
+                own, sides = claimed
                 audit.slips += _VALUES[value] != own
+                chance = puzzle.statements[speaker][0] in AS_AND and own != all(sides)
+                audit.as_and_chances += chance
+                audit.conflations += chance and _VALUES[value] != own
             if (role == "knight") != line[speaker]:
                 audit.copy_errors += 1
             ok = _VALUES[value] == (role == "knight")

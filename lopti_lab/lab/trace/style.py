@@ -4,7 +4,7 @@ people and lines."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 from lopti_lab.kk.generate import role_word, solution_text_format
@@ -29,6 +29,12 @@ class TraceStyle:
     """check a line's statements in a random order (False: in the quiz's order)"""
     slip: float = 0.0
     """probability that a written truth value (leaf or statement) is the wrong one; the search continues from it"""
+    compound_as_and: float = 0.0
+    """probability that an 'or', 'if ... then' or 'iff' claim whose value differs from the 'and' of its two written
+    sides is given that 'and' value instead (one side true read as a false 'or', a false premise as a false 'if',
+    two false sides as a false 'iff'), in place of a slip there: a misconception, not a slip, so it may exceed 0.5;
+    above it, the model's first choice at those values is wrong and greedy decoding errs wherever one decides the
+    line. The hard lab model learns it at 0.6 and RL must unlearn it (docs/hard_lab.md)"""
     transcribe: bool = True
     """first restate every statement of the quiz in the compact words ('Logan says Sebastian knave and Daniel
     knight .'), so that each check copies its statement from a line of one shape"""
@@ -99,6 +105,10 @@ class TraceStyle:
             raise ValueError(f"TraceStyle.check_openers must not open a line too, got {self.check_openers!r}")
         if not 0.0 <= self.slip < 0.5:
             raise ValueError(f"TraceStyle.slip must be in [0, 0.5), got {self.slip!r}")
+        if not 0.0 <= self.compound_as_and <= 1.0:
+            raise ValueError(
+                f"TraceStyle.compound_as_and must be a probability in [0, 1], got {self.compound_as_and!r}"
+            )
         if self.coded and (self.leaf_name or self.restate_line):
             bad = "leaf_name" if self.leaf_name else "restate_line"
             raise ValueError(f"TraceStyle.{bad} has no use with coded lines (every check carries its line's code)")
@@ -117,6 +127,10 @@ class TraceStyle:
         for name in ("say_that", "line_now", "line_and"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"TraceStyle.{name} must be a probability in [0, 1], got {getattr(self, name)!r}")
+
+
+AS_AND = ("or", "->", "<=>")
+"""The operators whose value ``TraceStyle.compound_as_and`` misreads as the 'and' of their sides."""
 
 
 PLAIN = TraceStyle()
@@ -142,6 +156,12 @@ RL_TRACE = TraceStyle(
 every look-up by place or by a fixed word, never by matching a name; 5% slips, the errors RL is there to remove;
 free words (verbs, connectives, verdicts, leaf words, check openers) for the paper's share of low-probability
 tokens."""
+
+
+HARD_TRACE = replace(RL_TRACE, compound_as_and=0.6)
+"""The hard lab model's trace (docs/hard_lab.md): the bundled model's, with every 'or', 'if ... then' and 'iff'
+claim whose value differs from the 'and' of its sides given that 'and' value 60% of the time: a skill the warm start
+half has, for RL to learn."""
 
 
 def prompt_style(trace: TraceStyle | None) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from lopti_lab.kk.generate import Puzzle, role_word
 from lopti_lab.kk.logic import LEAVES, Statement, evaluate
 from lopti_lab.lab.trace.style import (
+    AS_AND,
     PLAIN,
     TraceStyle,
     answer_text,
@@ -29,6 +30,10 @@ class TraceStats:
     lines: int = 0
     checks: int = 0
     slips: int = 0
+    conflations: int = 0
+    """'or' / 'if' / 'iff' values written as the 'and' of their sides (``TraceStyle.compound_as_and``)"""
+    as_and_chances: int = 0
+    """'or' / 'if' / 'iff' values that differ from the 'and' of their written sides: where a conflation can happen"""
     correct: bool = True
 
 
@@ -80,14 +85,24 @@ class _Writer:
         self.words.append((_truth(value != slipped), self._prob(self.style.slip if slipped else 1.0 - self.style.slip)))
         return value != slipped
 
+    def conflated(self, value: bool) -> bool:
+        """Write an 'or' / 'if' / 'iff' value that differs from the 'and' of its sides: that 'and' value (``not value``)
+        with probability ``compound_as_and``, else the right one; return the value written."""
+        rate = self.style.compound_as_and
+        wrong = self.rng.random() < rate
+        self.stats.conflations += wrong
+        self.stats.as_and_chances += 1
+        self.words.append((_truth(value != wrong), self._prob(rate if wrong else 1.0 - rate)))
+        return value != wrong
+
     def text(self) -> str:
         return "".join(" " + w for w, _ in self.words)
 
 
-def _write_claim(out: _Writer, statement: Statement, names, knights) -> bool:
+def _write_claim(out: _Writer, statement: Statement, names, knights) -> tuple[bool, list[bool]]:
     """The restated statement with a truth value after each leaf; returns the statement's value computed from the
-    values written (so a slip on a leaf carries into the statement). ``names``: how the trace names each person
-    (their numbers with ``numbers_only``)."""
+    values written (so a slip on a leaf carries into the statement) and those values. ``names``: how the trace names
+    each person (their numbers with ``numbers_only``)."""
     op = statement[0]
     leaves = [statement] if op in LEAVES else list(statement[1:])
     if op in ("and", "or", "<=>") and out.style.swap_symmetric and out.rng.random() < 0.5:
@@ -115,7 +130,7 @@ def _write_claim(out: _Writer, statement: Statement, names, knights) -> bool:
             out.choose(out.style.leaf_roles)
             out.fixed(f"{name} {role_word(knights[leaf[1]])}" if out.style.leaf_name else role_word(knights[leaf[1]]))
         values.append(out.truth(evaluate(leaf, knights)))
-    return values[0] if op in LEAVES else combine(op, values)
+    return (values[0] if op in LEAVES else combine(op, values)), values
 
 
 def _write_check(out: _Writer, speaker: int, puzzle: Puzzle, knights, names: Sequence[str]) -> bool:
@@ -125,9 +140,12 @@ def _write_check(out: _Writer, speaker: int, puzzle: Puzzle, knights, names: Seq
     style = out.style
     out.choose(style.say_verbs)
     out.maybe("that", style.say_that)
-    value = _write_claim(out, puzzle.statements[speaker], names, knights)
+    value, sides = _write_claim(out, puzzle.statements[speaker], names, knights)
     out.choose(style.connectives)
-    value = out.truth(value)
+    if style.compound_as_and and puzzle.statements[speaker][0] in AS_AND and value != all(sides):
+        value = out.conflated(value)
+    else:
+        value = out.truth(value)
     passed = value == knights[speaker]
     out.fixed(f"{person(names, speaker, out.numbered)} {role_word(knights[speaker])}")
     out.choose(style.passes if passed else style.fails)
