@@ -290,12 +290,16 @@ def test_the_hard_lab_study_config_is_the_pre_registered_one():
     assert (config.methods, config.seeds, config.out) == (PAPER, 5, "reports/hard_lab")
     run = config.train_config("GRPO+AR+Lopti", 3, Path("x"))
     fixed = {"model": "lab-hard", "lora_r": None, "train_people": (2, 3), "eval_people": (2, 3, 4),
-             "prompts_per_step": 4, "group_size": 8, "minibatch_size": 16, "temperature": 1.0, "lr": 2e-4,
+             "prompts_per_step": 4, "group_size": 8, "minibatch_size": 16, "temperature": 1.0, "lr": 1e-4,
              "adam_eps": 1e-3, "kl_coef": 0.0, "steps": 60, "eval_every": 10, "eval_size": 30, "eval_samples": 2,
              "probe_every": 10, "shift_every": 10, "ar_alpha": 0.3, "lopti_eta": 0.5, "seed": 3}  # fmt: skip
     assert {k: getattr(run, k) for k in fixed} == fixed
     page = (Path(__file__).resolve().parents[1] / "docs" / "hard_lab.md").read_text()
-    assert "lr 2e-4" in page and "60 |" in page and "the first 30 test puzzles at 2, 3 and 4 people" in page
+    assert (
+        "lr 1e-4 constant" in page
+        and "| steps | 60 |" in page
+        and "the first 30 test puzzles at 2, 3 and 4 people" in page
+    )
     quick = HardLabConfig(quick=True)
     assert (quick.train.steps, quick.train.eval_every, quick.train.shift_every) == (2, 1, 1)
     with pytest.raises(ValueError, match=r"HardLabConfig\.train\.lr"):

@@ -135,6 +135,10 @@ def test_the_report_section_and_figure_show_the_curves(study, tmp_path):
     np.testing.assert_allclose(paired.to_numpy(), [(0.05 + 0.04 * s) / 3 for s in range(3)], atol=1e-12)
     text = demo_report._over_training_text(tables, config)
     assert "mean of its last 3 evaluations" in text
+    ci = T2 * np.std([0.05 / 3, 0.09 / 3, 0.13 / 3], ddof=1) / math.sqrt(3)  # 0.033 > the mean 0.030: it holds 0
+    primary = next(line for line in text.splitlines() if line.startswith("- GRPO + AR: "))
+    assert primary.startswith(f"- GRPO + AR: +0.030 ± {ci:.3f} (95% interval over 3 seeds; above / level / below GRPO:")
+    assert primary.endswith("3 / 0 / 0): does not separate from GRPO")
     row = next(line for line in text.splitlines() if line.startswith("| GRPO + AR | +"))
     assert row.startswith(f"| GRPO + AR | {0.0:+.3f} ± {0.0:.3f} (0/3/0) | {np.mean([0.05, 0.09, 0.13]) / 3:+.3f}")
     fig = plots_methods.study_curves(tables["bands_sample"], tables["paired_steps_sample"])

@@ -79,6 +79,29 @@ def _paired_markdown(diffs: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _primary_text(diffs: pd.DataFrame, column: str) -> str:
+    """The pre-registered primary measure's verdict, one line per method: its paired difference to GRPO on
+    ``column`` of the last-3 sampled accuracy, the 95% interval, the seeds above / level / below, and whether the
+    interval excludes 0."""
+    part = paired_intervals(diffs[diffs["column"] == column]) if not diffs.empty else diffs
+    if part.empty:
+        return ""
+    lines = [f"\n**Primary measure** (pre-registered): sampled accuracy at {column.removesuffix('ppl')} people, the "
+             f"mean of the last {LAST_K} evaluations, each method minus GRPO at the same seed:\n"]  # fmt: skip
+    for _, row in part.iterrows():
+        lo, hi = row["mean"] - row["ci95"], row["mean"] + row["ci95"]
+        if pd.isna(row["ci95"]):
+            verdict = "one seed: no interval"
+        else:
+            verdict = "better than GRPO" if lo > 0 else "worse than GRPO" if hi < 0 else "does not separate from GRPO"
+        lines.append(
+            f"- {row['model'].removeprefix('+ ')}: {row['mean']:+.3f} ± {row['ci95']:.3f} (95% interval over "
+            f"{row['n']} seeds; above / level / below GRPO: {row['above']} / {row['level']} / {row['below']}): "
+            f"{verdict}"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _curve_markdown(bands: pd.DataFrame, column: str) -> str:
     """One column's learning curves: a row per method, a cell per evaluated step, "mean (min-max over seeds)"."""
     part = bands[bands["column"] == column]
@@ -110,6 +133,7 @@ def _over_training_text(tables: dict[str, pd.DataFrame], config: DemoConfig) -> 
     for model, part in late.groupby("model", sort=False):
         cells = ", ".join(f"{c.removesuffix('ppl')} {part[c].mean():+.3f}" for c in late.columns if c.endswith("ppl"))
         late_lines.append(f"- {model.removeprefix('+ ')}: {cells}, avg {part['avg'].mean():+.3f}")
+    primary = _primary_text(tables["paired_last3_sample"], config.PRIMARY) if config.PRIMARY else ""
     hardest = f"{max(config.train.train_people)}ppl"
     curve = _curve_markdown(tables["bands_sample"], hardest) if hardest in set(tables["bands_sample"]["column"]) else ""
     return f"""
@@ -117,7 +141,7 @@ def _over_training_text(tables: dict[str, pd.DataFrame], config: DemoConfig) -> 
 
 Every run was evaluated on the test split during training (the warm start is step 0). As in the paper, a run's
 accuracy is the mean of its last {LAST_K} evaluations ({spread}; `last3_sample.csv`, `last3_greedy.csv`).
-
+{primary}
 Sampled at temperature 1.0:
 
 {accuracy("last3_sample")}

@@ -78,7 +78,7 @@ env
 # On a CPU, the **regime** picker sets every setting for one of the lab's two regimes: **demo lab**, the demo's
 # (the bundled lab model already solves its puzzles; RL removes its slips within about 10 steps), and **hard lab**
 # (docs/hard_lab.md: `lab-hard`, which misreads 'or', 'if' and 'iff' as 'and', so RL has a skill to learn; 60 steps
-# of 4 puzzles x 8 at lr 2e-4, test evaluations at 2, 3 and 4 people every 10 steps, about 15 minutes on a core).
+# of 4 puzzles x 8 at lr 1e-4, test evaluations at 2, 3 and 4 people every 10 steps, about 15 minutes on a core).
 # The switches stay free on top of either.
 
 # %%
