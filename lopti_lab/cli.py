@@ -66,6 +66,13 @@ class Command:
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
+def _study(name: str, help: str, config: str, *shared: str) -> Command:
+    """A study's command (``demo.config.StudyConfig``): its shared TrainConfig's fields become options, except those
+    each run sets itself (``PER_RUN``) and the ``shared`` ones the study fixes."""
+    skip = tuple(f"train.{field}" for field in (*PER_RUN, *shared))
+    return Command(name, help, config, flatten=("train",), skip=skip)
+
+
 COMMANDS: dict[str, Command] = {
     c.name: c
     for c in (
@@ -87,26 +94,21 @@ COMMANDS: dict[str, Command] = {
             "lopti_lab.lab.pretrain:PretrainConfig",
             flatten=("spec",),
         ),
-        Command(
+        _study(
             "demo",
             "GRPO, +AR, +Lopti, +AR+Lopti on the lab model (CPU) and a report",
             "lopti_lab.demo.config:DemoConfig",
-            flatten=("train",),
-            skip=tuple(f"train.{name}" for name in PER_RUN),
         ),
-        Command(
+        _study(
             "hardlab",
-            "the four methods on the hard lab model, 5 seeds x 60 steps, and a report (CPU, <= 150 min)",
+            "the four methods on the hard lab model, 5 seeds x 60 steps, and a report (CPU, about 3 hours on 2 cores)",
             "lopti_lab.demo.config:HardLabConfig",
-            flatten=("train",),
-            skip=tuple(f"train.{name}" for name in PER_RUN),
         ),
-        Command(
+        _study(
             "mechanism",
             "the paper's Fig. 1 and Fig. 3 measured as it measured them, under SGD and AdamW (CPU, <= 20 min)",
             "lopti_lab.demo.mechanism:MechanismConfig",
-            flatten=("train",),
-            skip=tuple(f"train.{name}" for name in (*PER_RUN, "optimizer", "lr", "adam_eps", "weight_decay")),
+            *("optimizer", "lr", "adam_eps", "weight_decay"),
         ),
     )
 }

@@ -152,3 +152,22 @@ def test_a_demo_evaluated_once_has_no_curve_section(tmp_path):
     run_dirs = {("GRPO", 0): _run(tmp_path / "g", {10: {2: 0.7, 3: 0.6}}, steps=10)}
     config = HardLabConfig(out=str(tmp_path / "r"), seeds=1, methods=("GRPO",), train={"eval_people": (2, 3)})
     assert demo_report.over_training(config, run_dirs, {0: _record(0, {2: 0.5, 3: 0.4})}) is None
+
+
+def test_recorded_study_reads_a_study_folder_first_then_the_bundled_record(study, tmp_path):
+    from lopti_lab.paths import data_dir
+
+    frame, _, _ = study
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for name in curves.RECORDED:
+        frame.to_csv(folder / f"{name}.csv", index=False)
+    tables, source = curves.recorded_study(folder)
+    assert source == folder and set(tables) == set(curves.RECORDED)
+    pd.testing.assert_frame_equal(tables["curves_sample"], frame)
+    bundled, source = curves.recorded_study(tmp_path / "none")  # no study run here: the one recorded with lopti_lab
+    assert source == data_dir() / "hard_lab"
+    sampled = bundled["curves_sample"]
+    assert set(sampled["model"]) >= {curves.WARM, "+ GRPO", "+ GRPO + AR", "+ GRPO + Lopti", "+ GRPO + AR + Lopti"}
+    assert sorted(sampled["seed"].unique()) == [0, 1, 2, 3, 4] and sampled["step"].max() == 60
+    assert {"fig3_correct", "grad_share", "token_share"} <= set(bundled["mechanism"].columns)

@@ -207,8 +207,8 @@ for 60 steps of 4 puzzles x 8 rollouts at T = 1.0 (two minibatches of 16), the d
 by step 40: docs/hard_lab.md); a test evaluation
 every 10 steps at 2, 3 and 4 people (4: beyond the trained counts) on 30 puzzles per count, greedy and 2 samples at
 T = 1.0, and at the same steps the gradient share per probability bin and the paper's Fig. 3; a checkpoint every 10
-steps. 30 puzzles rather than the test split's 100, and 4 x 8 rollouts rather than the demo's 8 x 8, so that the 20
-runs fit two CPU cores in 150 minutes."""
+steps. 30 puzzles rather than the test split's 100, and 4 x 8 rollouts rather than the demo's 8 x 8, aiming the 20
+runs at 150 minutes on two CPU cores (measured: about 170, docs/hard_lab.md)."""
 
 
 @dataclass

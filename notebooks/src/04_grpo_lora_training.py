@@ -128,7 +128,7 @@ if panel.result is not None:
 # ```
 #
 # The hard lab's four methods with 5 seeds each, its learning curves and paired differences to GRPO in a report
-# folder (about 2.5 hours on two cores; notebook 05 draws them): `lopti-lab hardlab --threads 2`.
+# folder (about 3 hours on two cores; notebook 05 draws them): `lopti-lab hardlab --threads 2`.
 #
 # The prompt style comes from the model's config (the lab model's own). On one GPU with Qwen2.5-3B-Instruct, the
 # paper's settings are `--model Qwen/Qwen2.5-3B-Instruct --lora-r 16 --lr 2e-5 --temperature 0.7 --max-new-tokens 4096
