@@ -50,7 +50,7 @@ def bin_index(p: torch.Tensor, bins: Sequence[float] = DEFAULT_BINS) -> torch.Te
     """
     edges = check_bins(bins)
     inner = torch.tensor(edges[1:-1], dtype=p.dtype, device=p.device)
-    return torch.bucketize(p.detach(), inner, right=True)  # right=True: an edge value opens the next bin
+    return torch.bucketize(p.detach().contiguous(), inner, right=True)  # right=True: an edge value opens the next bin
 
 
 def bin_labels(bins: Sequence[float] = DEFAULT_BINS) -> list[str]:

@@ -46,3 +46,21 @@ def cache_dir() -> Path:
     if env:
         return Path(env)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lopti_lab"
+
+
+def shown(path: str | Path) -> str:
+    """How a notebook names where it read a table: "lopti_lab data: <the path inside the data folder>" for a bundled
+    record (not this machine's folders), else the path relative to the working folder when it lies under it, else
+    the path as given.
+
+    >>> shown(data_dir() / "hard_lab")
+    'lopti_lab data: hard_lab'
+    >>> shown(Path.cwd() / "reports" / "hard_lab")
+    'reports/hard_lab'
+    """
+    path = Path(path)
+    resolved = path.resolve()
+    for root, label in ((data_dir().resolve(), "lopti_lab data: "), (Path.cwd().resolve(), "")):
+        if resolved.is_relative_to(root):
+            return label + resolved.relative_to(root).as_posix()
+    return str(path)

@@ -171,3 +171,13 @@ def test_recorded_study_reads_a_study_folder_first_then_the_bundled_record(study
     assert set(sampled["model"]) >= {curves.WARM, "+ GRPO", "+ GRPO + AR", "+ GRPO + Lopti", "+ GRPO + AR + Lopti"}
     assert sorted(sampled["seed"].unique()) == [0, 1, 2, 3, 4] and sampled["step"].max() == 60
     assert {"fig3_correct", "grad_share", "token_share"} <= set(bundled["mechanism"].columns)
+
+
+def test_a_notebook_names_a_table_source_without_this_machines_folders(tmp_path, monkeypatch):
+    from lopti_lab.paths import data_dir, shown
+
+    monkeypatch.chdir(tmp_path)
+    assert shown(data_dir() / "hard_lab") == "lopti_lab data: hard_lab"
+    assert shown(data_dir() / "methods" / "comparison_sample.csv") == "lopti_lab data: methods/comparison_sample.csv"
+    assert shown(tmp_path / "reports" / "hard_lab") == "reports/hard_lab"
+    assert shown("/elsewhere/table.csv") == "/elsewhere/table.csv"

@@ -36,6 +36,10 @@ def test_committed_executed_in_full_with_a_quick_flag(path):
     assert sum("image/png" in o.get("data", {}) for c in code for o in c["outputs"]) >= 1
     assert re.search(r"^QUICK = False", "".join(code[0]["source"]), re.M), "the first code cell sets QUICK"
     assert nb["cells"][0]["cell_type"] == "markdown"
+    text = "".join("".join(o.get("text", "")) for c in code for o in c["outputs"])  # stream text: a list of lines
+    paths = re.findall(r"/\S*/(?:data|lopti_lab)/\S*", text)
+    assert not paths, f"an output names the folders of the machine that built it: {paths}"
+    assert "Warning:" not in text, "a warning in the committed outputs: fix its cause"
 
 
 def test_the_five_notebooks_stay_small():

@@ -139,7 +139,8 @@ plots.fig2(shift=shift.bins)
 
 # %%
 from lopti_lab.demo.mechanism import fig3_source
+from lopti_lab.paths import shown
 
 table, source = fig3_source()
-print("Fig. 3 table from", source)
+print("Fig. 3 table from", shown(source))
 widgets.MechanismPanel(table, model, batch)

@@ -38,6 +38,7 @@ from lopti_lab.demo.config import DemoConfig
 from lopti_lab.demo.curves import last_evaluations, paired_over_steps, recorded_study, seed_bands
 from lopti_lab.demo.tables import paired_intervals, paired_per_seed, recorded_comparison
 from lopti_lab.demo.run import run_demo
+from lopti_lab.paths import shown
 
 # %% [markdown]
 # If there are no runs yet, this cell makes some: the lab demo trains GRPO, GRPO+AR, GRPO+Lopti and GRPO+AR+Lopti on
@@ -94,7 +95,7 @@ plots.correct_ratio(long)
 
 # %%
 probe_table, probe_source = recorded_method_probes()
-print("read", probe_source)
+print("read", shown(probe_source))
 plots_methods.method_probes(probe_table)
 
 # %% [markdown]
@@ -108,7 +109,7 @@ plots_methods.method_probes(probe_table)
 
 # %%
 accuracy, source = recorded_comparison()
-print("read", source)
+print("read", shown(source))
 diffs = paired_per_seed(accuracy, [c for c in accuracy.columns if c.endswith("ppl") or c == "avg"])
 intervals = paired_intervals(diffs)
 display(intervals.query("column == 'avg'").drop(columns="column").set_index("model").round(3))
@@ -130,7 +131,7 @@ plots_methods.paired_differences(diffs, intervals)
 
 # %%
 study, study_source = recorded_study()
-print("read", study_source)
+print("read", shown(study_source))
 sampled = study["curves_sample"]
 plots_methods.study_curves(seed_bands(sampled), paired_over_steps(sampled), ylabel="test accuracy (T = 1.0)")
 
