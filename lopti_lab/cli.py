@@ -108,7 +108,10 @@ COMMANDS: dict[str, Command] = {
             "mechanism",
             "the paper's Fig. 1 and Fig. 3 measured as it measured them, under SGD and AdamW (CPU, <= 20 min)",
             "lopti_lab.demo.mechanism:MechanismConfig",
-            *("optimizer", "lr", "adam_eps", "weight_decay"),
+            "optimizer",
+            "lr",
+            "adam_eps",
+            "weight_decay",
         ),
     )
 }

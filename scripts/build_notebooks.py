@@ -82,6 +82,24 @@ def execute(nb: nbformat.NotebookNode, threads: int, timeout: int) -> float:
     return time.perf_counter() - start
 
 
+def shrink_figures(nb: nbformat.NotebookNode, above: int = 60_000, colors: int = 128) -> None:
+    """Store each figure larger than ``above`` base64 characters as a ``colors``-colour palette PNG, in place: line
+    plots lose nothing a reader sees, and the notebook a third of its size."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if len(data.get("image/png", "")) > above:
+                image = Image.open(io.BytesIO(base64.b64decode(data["image/png"]))).convert("RGB")
+                buffer = io.BytesIO()
+                image.quantize(colors=colors, method=Image.Quantize.MEDIANCUT).save(buffer, "PNG", optimize=True)
+                data["image/png"] = base64.b64encode(buffer.getvalue()).decode()
+
+
 def stale_reasons(source: Path, target: Path) -> list[str]:
     """Why a committed notebook is not the executed build of its source (empty: it is)."""
     if not target.is_file():
@@ -115,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         nb = build(source)
         elapsed = execute(nb, args.threads, args.timeout)
+        shrink_figures(nb)
         target.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
         print(f"wrote {target.relative_to(ROOT)}: executed in {elapsed:.0f} s, {target.stat().st_size / 1e6:.2f} MB")
     total = sum(p.stat().st_size for p in (ROOT / "notebooks").glob("*.ipynb"))

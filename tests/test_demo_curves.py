@@ -12,6 +12,7 @@ from lopti_lab import plots_methods, runs
 from lopti_lab.demo import curves
 from lopti_lab.demo import report as demo_report
 from lopti_lab.demo.config import HardLabConfig
+from lopti_lab.paths import data_dir, shown
 
 T4 = 2.7764451  # t(0.975, 4)
 T2 = 4.3026527  # t(0.975, 2)
@@ -155,8 +156,6 @@ def test_a_demo_evaluated_once_has_no_curve_section(tmp_path):
 
 
 def test_recorded_study_reads_a_study_folder_first_then_the_bundled_record(study, tmp_path):
-    from lopti_lab.paths import data_dir
-
     frame, _, _ = study
     folder = tmp_path / "mine"
     folder.mkdir()
@@ -174,8 +173,6 @@ def test_recorded_study_reads_a_study_folder_first_then_the_bundled_record(study
 
 
 def test_a_notebook_names_a_table_source_without_this_machines_folders(tmp_path, monkeypatch):
-    from lopti_lab.paths import data_dir, shown
-
     monkeypatch.chdir(tmp_path)
     assert shown(data_dir() / "hard_lab") == "lopti_lab data: hard_lab"
     assert shown(data_dir() / "methods" / "comparison_sample.csv") == "lopti_lab data: methods/comparison_sample.csv"
