@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from lopti_lab.bins import DEFAULT_BINS, bin_index, check_bins
 from lopti_lab.probes._common import (
@@ -61,14 +63,54 @@ class _Layout:
 
 
 @dataclass
+class _Input:
+    """A module call's input as the probe holds it: no tensor of its own beyond what the step's backward keeps.
+
+    In a plain forward the input itself (autograd saves it, or a copy of it, for the weight gradient, so holding it
+    costs at most that copy). Under saved-tensor hooks (gradient checkpointing) only a weak reference to its storage:
+    autograd frees it after the forward and re-runs the layer inside the backward, and the probe then takes the
+    input of that re-run (``GradientProbe._recomputed``), alive only while the layer's backward runs. Token ids (an
+    embedding's input, (B, L) integers) and inputs seen in a re-run are held directly."""
+
+    held: torch.Tensor | None = None  # held directly
+    ref: StorageWeakRef | None = None  # held weakly: its storage, and where in it the input lies
+    geometry: tuple = ()  # (storage offset, size, stride, dtype)
+    width: int | None = None  # features per position; None for token ids
+
+    @classmethod
+    def weak(cls, x: torch.Tensor, width: int) -> _Input:
+        return cls(ref=StorageWeakRef(x.untyped_storage()), geometry=(x.storage_offset(), x.shape, x.stride(),
+                   x.dtype), width=width)  # fmt: skip
+
+    @staticmethod
+    def flat(x: torch.Tensor, width: int | None) -> torch.Tensor:
+        return x.detach().reshape(-1) if width is None else x.detach().reshape(-1, width)  # (N,) or (N, in)
+
+    def get(self) -> torch.Tensor | None:
+        """The (N, in) input (or (N,) ids), or None when it was freed (the caller takes the re-run's). Called when
+        the gradient at the module's output arrives: the module's backward, which releases its saved input, has not
+        run yet."""
+        if self.held is not None:
+            return self.held
+        storage = None if self.ref.expired() else torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)
+        if storage is None:
+            return None
+        offset, size, stride, dtype = self.geometry
+        x = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+        return self.flat(x, self.width)
+
+
+@dataclass
 class _Use:
     """One call of a module that uses a probed parameter: what the split of its gradient needs."""
 
     kind: str  # "linear", "conv1d", "embedding" (weights) or "bias"
-    x: torch.Tensor | None  # (N, in) inputs, (N,) token ids, None for a bias
+    x: torch.Tensor | None  # (N, in) inputs, (N,) token ids, None for a bias; set when the gradient is split
     g: torch.Tensor  # (N, out) gradient at the module's output
     layout: _Layout
     token_set: int
+    source: _Input | None = None  # where x comes from
+    module: nn.Module | None = None  # the module called
 
     def add_group(self, k: int, out: torch.Tensor, acc: torch.dtype) -> None:
         """out += this call's part of group k's gradient (out has the parameter's shape)."""
@@ -183,8 +225,8 @@ class GradientProbe:
     and run forward + backward as usual. Each backward adds one record: per parameter, ||g_k||^2 and <g_k, g> for
     every bin and `context`, kept on the device (no host sync in the backward) and tabulated by `frame()`.
 
-    How: a forward hook on each Linear / Embedding / Conv1D that owns a probed parameter keeps its input (a view of the
-    tensor autograd saves anyway) and hooks its output's gradient; when the parameter's own gradient dW arrives
+    How: a forward hook on each Linear / Embedding / Conv1D that owns a probed parameter notes its input (``_Input``)
+    and hooks its output's gradient; when the parameter's own gradient dW arrives
     (a tensor hook), the probe groups the positions by bin and forms each group's sum_t g_t a_t^T: one matmul per
     group with the largest group taken as dW minus the others, or the Gram identity, by an operation count
     (``method="gram"`` forces the Gram, ``"matmul"`` forbids it). A cheap Freivalds check, dW r = sum_t g_t (a_t . r),
@@ -194,7 +236,16 @@ class GradientProbe:
     Positions: input position L - T - 1 + t belongs to the bin of response token t when mask[:, t], else to `context`,
     like every other position (prompt, padding, the last position). An activation shorter than L (``logits_to_keep``)
     covers the last positions. A tied weight (embedding = lm_head) is split over both of its uses; gradient
-    checkpointing, reentrant or not, counts each call once (tested). Not supported: models that flatten (B, L) before
+    checkpointing, reentrant or not, counts each call once (tested).
+
+    Memory bound: the probe holds no layer input that the step's own backward does not hold. A module's input is
+    kept by weak reference (alive because the module's backward saved it); under gradient checkpointing, where
+    autograd frees it, the probe takes it from the layer's re-run inside the backward, which holds it anyway, and
+    drops it once that layer's weight gradient is split. Beyond that it keeps, for one parameter at a time, the
+    gradient at its module's outputs until its weight gradient arrives (within one layer's backward), and per group
+    one weight-sized matrix or one (N, N) Gram block (N positions of the micro-batch, at most 4096). While attached
+    it turns off checkpointing's early stop (``torch.utils.checkpoint.set_checkpoint_early_stop``) so that a re-run
+    reaches every probed module. tests/test_probe_memory.py measures the bound on a Qwen2.5-0.5B-shaped model. Not supported: models that flatten (B, L) before
     a Linear (MoE experts): a ValueError names the module. Costs, measured in benchmarks/README.md: about 1.3x a plain
     forward + backward on a 100M model on one CPU thread (1.15x with LoRA), a constant ~10 ms per backward on tiny
     models.
@@ -235,6 +286,9 @@ class GradientProbe:
             for module, kind, role in owners[p]:
                 self._kinds[module] = kind
                 self._probed_of.setdefault(module, []).append((role, p))
+        self._weight_modules = {m for m, roles in self._probed_of.items() if any(r != "bias" for r, _ in roles)}
+        self._recomputed: dict[nn.Module, list[torch.Tensor]] = {}  # inputs of checkpointed layers' re-runs
+        self._early_stop = None
         self._handles: list = []
         self._tensor_handles: list = []
         self._attached = False
@@ -257,6 +311,9 @@ class GradientProbe:
             self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True))
         for name, p in self._named:
             self._handles.append(p.register_hook(lambda grad, p=p, name=name: self._on_grad(p, name, grad)))
+        # a checkpointed layer's re-run must reach every probed module: no early stop after the last saved tensor
+        self._early_stop = set_checkpoint_early_stop(False)
+        self._early_stop.__enter__()
         self._attached = True
         return self
 
@@ -267,6 +324,10 @@ class GradientProbe:
         self._handles.clear()
         self._tensor_handles.clear()
         self._pending.clear()
+        self._recomputed.clear()
+        if self._early_stop is not None:
+            self._early_stop.__exit__(None, None, None)
+            self._early_stop = None
         self._attached = False
 
     def __enter__(self) -> GradientProbe:
@@ -283,6 +344,7 @@ class GradientProbe:
         self._groups: torch.Tensor | None = None
         self._layouts: dict = {}
         self._pending: dict[nn.Parameter, list[_Use]] = {}
+        self._recomputed = {}
 
     def set_tokens(self, probs: torch.Tensor, mask: torch.Tensor) -> None:
         """Bins for the next forward: (B, T) probabilities (normally old_logp.exp()) and response mask."""
@@ -332,22 +394,50 @@ class GradientProbe:
                 f"{'' if want == 2 else ', features'}) as in set_tokens (models that flatten tokens are not supported)"
             )
         layout = self._layout(x.shape[1], x.device)
-        x = x.detach().reshape(-1) if kind == "embedding" else x.detach().reshape(-1, x.shape[-1])
+        width = None if kind == "embedding" else x.shape[-1]
+        if width is None:  # token ids: small, and the padding mask below needs them in the backward
+            source = _Input(held=_Input.flat(x, None))
+        elif torch._C._current_graph_task_id() != -1:  # a re-run inside a backward: checkpointing recomputes
+            source = _Input(held=_Input.flat(x, width))
+            if module in self._weight_modules:
+                self._recomputed.setdefault(module, []).append(source.held)
+        elif torch._C._autograd._top_saved_tensors_default_hooks(False) is None:  # autograd keeps it as it is
+            source = _Input(held=_Input.flat(x, width))
+        else:  # saved-tensor hooks (checkpointing) will free or pack what autograd saves: hold nothing
+            source = _Input.weak(x, width)
         token_set = len(self._token_counts) - 1
         self._tensor_handles.append(
-            output.register_hook(lambda g: self._on_output_grad(module, x, layout, token_set, g))
+            output.register_hook(lambda g: self._on_output_grad(module, source, layout, token_set, g))
         )
 
-    def _on_output_grad(self, module, x, layout, token_set, g):
+    def _on_output_grad(self, module, source, layout, token_set, g):
         if not self._attached:
             return
         g = g.detach().reshape(-1, g.shape[-1])  # (N, out)
         kind = self._kinds[module]
         if kind == "embedding" and module.padding_idx is not None:
-            g = g.masked_fill((x == module.padding_idx)[:, None], 0)  # F.embedding gives the padding row no gradient
+            pad = source.held == module.padding_idx  # (N,)
+            g = g.masked_fill(pad[:, None], 0)  # F.embedding gives the padding row no gradient
         for role, p in self._probed_of[module]:
-            use = _Use("bias" if role == "bias" else kind, None if role == "bias" else x, g, layout, token_set)
+            # the input is taken now, before the module's backward runs and autograd releases what it saved
+            x = None if role == "bias" else source.get()
+            use = _Use("bias" if role == "bias" else kind, x, g, layout, token_set, source, module)
             self._pending.setdefault(p, []).append(use)
+
+    def _inputs(self, uses: list[_Use]) -> bool:
+        """Give each weight use whose input was freed before its output's gradient arrived the input of the layer's
+        re-run, in call order (the Freivalds check catches a mismatch). False when an input was freed and never
+        re-run (e.g. offloaded)."""
+        for u in uses:
+            if u.x is None and u.kind != "bias":
+                rerun = self._recomputed.get(u.module, [])
+                if not rerun:
+                    return False
+                u.x = rerun.pop(0)
+        for u in uses:
+            if u.kind != "bias":  # the layer's backward is done with its re-run inputs
+                self._recomputed.pop(u.module, None)
+        return True
 
     def _on_grad(self, p, name, grad):
         uses = self._pending.pop(p, [])
@@ -355,6 +445,9 @@ class GradientProbe:
             return
         if not uses:
             self._warn(name, "got a gradient that no hooked module call explains (used functionally?)")
+            return
+        if not self._inputs(uses):
+            self._warn(name, "has a module input that was freed after the forward and not recomputed")
             return
         if name in self._current.stats:  # this parameter already reported: a new backward began
             self._close()
