@@ -77,7 +77,7 @@ def trl_settings(cfg: TrainConfig, out: Path, max_steps: int) -> dict:
         "output_dir": str(out),
         "use_cpu": True,
         "bf16": False,
-        "gradient_checkpointing": False,
+        "activation_checkpointing": False,
         "max_steps": max_steps,
         "top_k": 0,
         "loss_type": "dapo",

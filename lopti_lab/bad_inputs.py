@@ -63,6 +63,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "dtype": [("unknown choice", "fp8")],
         "device": [("not a device", "tpu")],
         "gradient_checkpointing": [("a JSON string", "false")],
+        "attn_implementation": [("unknown choice", "flash_attention_3")],
         "prompt_style": [("unknown choice", "poem")],
         "train_people": [("empty", ()), ("out of range", (1,)), ("repeated", (3, 3)), ("no data file", (9,))],
         "eval_people": [("out of range", (0,)), ("no data file", (9,))],

@@ -7,6 +7,7 @@
     lopti-lab demo      demo.config.DemoConfig        the four methods on the lab model, and a report
     lopti-lab hardlab   demo.config.HardLabConfig     the four methods on the hard lab model (docs/hard_lab.md)
     lopti-lab mechanism demo.mechanism.MechanismConfig  the paper's Fig. 1 and Fig. 3, as it measured them
+    lopti-lab plan      train_config.TrainConfig      a step's peak GPU memory and whether it fits (plan.py)
 
 Each builds its options the same way (``add_config_options``): one option per field, named after it (``--lora-r``),
 its help the docstring under the field; a nested config's fields are options too (``lopti-lab demo --lr`` sets
@@ -112,6 +113,12 @@ COMMANDS: dict[str, Command] = {
             "lr",
             "adam_eps",
             "weight_decay",
+        ),
+        Command(
+            "plan",
+            "a training step's peak GPU memory, component by component, and whether it fits a GPU (--gpu, --matrix)",
+            "lopti_lab.train_config:TrainConfig",
+            aliases={"model": ("-m",)},
         ),
     )
 }
@@ -238,9 +245,18 @@ def _pretrain_options(p: argparse.ArgumentParser) -> None:
                    "data/lab_model)")  # fmt: skip
 
 
+def _plan_options(p: argparse.ArgumentParser) -> None:
+    from lopti_lab.plan import GPUS
+
+    p.add_argument("--gpu", dest="_gpu", default="t4", choices=list(GPUS), help="the GPU to plan for (default t4)")
+    p.add_argument("--matrix", dest="_matrix", action="store_true", help="the peaks of Qwen2.5 0.5B-7B on a "
+                   "T4, A100-40 and H100 at the notebook's and the paper's settings, not one table")  # fmt: skip
+
+
 EXTRA_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "train": _train_options,
     "pretrain": _pretrain_options,
+    "plan": _plan_options,
 }
 """Options that are not config fields: how to run, not what."""
 
@@ -392,6 +408,42 @@ def run_demo(config, args) -> int:
     return 0
 
 
+def run_plan(config, args) -> int:
+    """Exit codes: 0 the step fits the GPU (or --matrix), 1 it does not (the message names the fields to lower)."""
+    import pandas as pd
+
+    from lopti_lab import plan
+
+    with pd.option_context("display.width", 200, "display.max_colwidth", 80, "display.max_columns", 10):
+        if args._matrix:
+            print(plan.plan_matrix(_plan_settings(), [f"Qwen/Qwen2.5-{n}-Instruct" for n in ("0.5B", "1.5B", "3B",
+                  "7B")], ["t4", "a100-40", "h100"]).to_string(index=False))  # fmt: skip
+            return 0
+        model_config = plan.model_config(config.model)
+        print(plan.estimate(config, model_config, args._gpu).table().to_string(index=False, float_format="%.2f"))
+    try:
+        fits = plan.check_fits(config, model_config, args._gpu)
+    except ValueError as err:
+        print(f"does not fit: {err}")
+        return 1
+    gpu = plan.GPUS[args._gpu]
+    print(f"fits: peak ~{fits.peak / plan.GiB:.1f} GiB ({fits.peak_phase} phase) of the {gpu.label}'s "
+          f"{gpu.usable / plan.GiB:.1f} GiB")  # fmt: skip
+    return 0
+
+
+def _plan_settings() -> dict:
+    """The matrix's two settings: the notebook's (notebook.training_defaults on a GPU, LoRA r=16) and the paper's
+    (TrainConfig's defaults: 64 prompts x 8, 4096 new tokens, minibatch 256, full fine-tuning)."""
+    from lopti_lab.notebook import Environment, training_defaults
+    from lopti_lab.train_config import TrainConfig
+
+    def notebook(model: str):
+        return training_defaults(Environment(False, "cuda", model, 16, "instruct", quick=False))
+
+    return {"notebook": notebook, "paper": lambda model: TrainConfig(model=model, lora_r=None)}
+
+
 RUNNERS: dict[str, Callable[[Any, argparse.Namespace], int]] = {
     "data": run_data,
     "train": run_train,
@@ -400,6 +452,7 @@ RUNNERS: dict[str, Callable[[Any, argparse.Namespace], int]] = {
     "demo": run_demo,
     "hardlab": run_demo,
     "mechanism": run_mechanism,
+    "plan": run_plan,
 }
 
 

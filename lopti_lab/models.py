@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,13 +31,16 @@ __all__ = [
     "LoraSpec",
     "Reference",
     "check_model_name",
+    "half_full_finetune_error",
     "is_peft",
     "load_policy",
     "model_path",
+    "native_dtype",
     "prompt_style_of",
     "resolve_device",
     "resolve_dtype",
     "trainable_state_dict",
+    "training_dtype",
 ]
 
 # attention and MLP projections of Qwen2 / Llama / Mistral style blocks (the paper's models are Qwen2.5)
@@ -114,17 +118,61 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return torch.device(device)
 
 
+def native_dtype(capability: tuple[int, int] | None) -> torch.dtype:
+    """The precision a device computes in natively, from its CUDA compute capability (None: a CPU): bfloat16 from
+    8.0 (Ampere: A100, L4, H100), float16 below it (a Colab T4 is 7.5: it has no bf16 units and only emulates bf16,
+    slowly, which ``torch.cuda.is_bf16_supported()`` still counts as support), float32 on a CPU (bf16 matmuls are
+    slow there and fp16 ones slower).
+
+    >>> native_dtype((7, 5)), native_dtype((8, 0)), native_dtype((9, 0)), native_dtype(None)
+    (torch.float16, torch.bfloat16, torch.bfloat16, torch.float32)
+    """
+    if capability is None:
+        return torch.float32
+    return torch.bfloat16 if tuple(capability) >= (8, 0) else torch.float16
+
+
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu") -> torch.dtype:
-    """ "auto" is bfloat16 on a GPU that supports it and float32 otherwise (CPU bf16 matmuls are slow)."""
+    """ "auto" is what ``device`` has natively (``native_dtype``: bf16 from compute capability 8.0, fp16 below it,
+    float32 on a CPU); a name ("float32", "bfloat16", "float16") or a torch.dtype is taken as it is."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        cuda = torch.device(device).type == "cuda"
-        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+        device = torch.device(device)
+        return native_dtype(torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     try:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     except KeyError:
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}") from None
+
+
+def half_full_finetune_error(dtype: torch.dtype | str) -> str | None:
+    """Why full fine-tuning in ``dtype`` is refused, or None when it is allowed (float32): the weights are the
+    optimizer's master weights, and half-precision ones swallow small updates. A bf16 weight of magnitude ~0.02 is
+    ~1.2e-4 from its neighbours (fp16: ~1.5e-5), so at the paper's lr 1e-6 an Adam update of ~1e-6 rounds back to
+    the same weight: most of the model never moves."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ("bfloat16", "float16"):
+        return None
+    spacing = "1.2e-4" if name == "bfloat16" else "1.5e-5"
+    return (f"full fine-tuning (lora_r=None) in {name} has no float32 master weights: at the paper's lr 1e-6 most "
+            f"updates round to zero (a {name} weight of magnitude ~0.02 is spaced ~{spacing} from the next, so an "
+            "Adam update of ~lr = 1e-6 vanishes); use dtype='float32', or LoRA (lora_r=16: the adapter's weights stay "
+            "in float32)")  # fmt: skip
+
+
+def training_dtype(dtype: str | torch.dtype, device: torch.device | str, *, full_finetune: bool) -> torch.dtype:
+    """The dtype a run trains in: ``resolve_dtype``, except that full fine-tuning keeps float32 master weights, so
+    for it "auto" is float32 on every device and an explicit half dtype is a ValueError saying why
+    (``half_full_finetune_error``; TrainConfig refuses it before any model loads). LoRA under a half-precision
+    base trains float32 adapter weights (peft's ``autocast_adapter_dtype``)."""
+    if full_finetune and dtype == "auto":
+        return torch.float32
+    resolved = resolve_dtype(dtype, device)
+    problem = half_full_finetune_error(resolved) if full_finetune else None
+    if problem:
+        raise ValueError(problem)
+    return resolved
 
 
 def is_peft(model: torch.nn.Module) -> bool:
@@ -137,12 +185,15 @@ def load_policy(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     gradient_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
 ):
     """Load (model, tokenizer) ready for RL: LoRA adapter attached (or all weights trainable when ``lora`` is None),
     on ``device`` in ``dtype``, tokenizer padding on the left (generation appends on the right).
 
     ``name_or_path``: a hub id ("Qwen/Qwen2.5-0.5B-Instruct"), a local folder saved with ``save_pretrained`` (a lab
-    model folder among them), or "lab" for the bundled lab model (``model_path``).
+    model folder among them), or "lab" for the bundled lab model (``model_path``). ``gradient_checkpointing``:
+    activation checkpointing (transformers' ``activation_checkpointing_enable``), recomputing each layer in backward.
+    ``attn_implementation``: "sdpa", "eager" or "flash_attention_2" (``TrainConfig.attn_implementation``).
     """
     path = model_path(name_or_path)
     device = resolve_device(device)
@@ -150,7 +201,7 @@ def load_policy(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # masks come from the first EOS, so pad == eos is harmless
@@ -158,9 +209,9 @@ def load_policy(
 
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}  # non-reentrant: LoRA needs no input grads
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x; the old one warns
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
+        else:  # an early transformers 5 release (pyproject allows >= 5.0)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.config.use_cache = False  # the cache is re-enabled explicitly in generate
     if lora is not None:
@@ -176,7 +227,11 @@ def load_policy(
             task_type="CAUSAL_LM",
         )
         # peft keeps the (small) adapter weights in float32 under a bf16 base (autocast_adapter_dtype)
-        model = get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated alias: its warning, nothing to act on
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
+            model = get_peft_model(model, config)
     else:
         model.requires_grad_(True)
     model.eval()  # dropout off; the trainer switches to train() only around its update

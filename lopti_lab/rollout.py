@@ -121,9 +121,10 @@ def response_logprobs(
     """
     total_t = response_mask.shape[1]
     n_prompt = input_ids.shape[1] - total_t
-    start = int(attention_mask[:, :n_prompt].any(0).int().argmax())  # first column some prompt uses
-    used = response_mask.any(0).nonzero()
-    t = int(used.max()) + 1 if len(used) else 1  # longest response in this batch
+    first = attention_mask[:, :n_prompt].any(0).int().argmax()  # first column some prompt uses
+    columns = torch.arange(1, total_t + 1, device=response_mask.device)  # (T,)
+    longest = torch.where(response_mask.any(0), columns, 0).max().clamp(min=1)  # longest response in this batch
+    start, t = torch.stack([first, longest]).tolist()  # the slice's bounds: one host sync, not three
     ids = input_ids[:, start : n_prompt + t]  # (B, L')
     mask = attention_mask[:, start : n_prompt + t]  # (B, L')
     if before_forward is None and use_lean(model, fast_path):
@@ -302,7 +303,8 @@ def sample(
     is_stop = torch.isin(response_ids, torch.tensor(stops, device=device))  # (B, T)
     first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), width)  # (B,)
     response_mask = (torch.arange(width, device=device)[None, :] <= first_stop[:, None]).float()  # (B, T)
-    texts = tokenizer.batch_decode([row[:n].tolist() for row, n in zip(response_ids, first_stop.tolist(), strict=True)])
+    rows, ends = response_ids.tolist(), first_stop.tolist()  # one copy to the host, not one per row
+    texts = tokenizer.batch_decode([row[:n] for row, n in zip(rows, ends, strict=True)])
     rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, texts, group_size, is_stop.any(1))
     scored_at = 1.0 if greedy else temperature
     if lean and with_logprobs:  # pi_old read off the sampling logits: the rollout policy at its temperature

@@ -6,7 +6,8 @@ A run folder (``TrainConfig.run_dir``) holds everything needed to reload, compar
     metrics.jsonl                    one JSON object per completed step, appended durably each step
     checkpoints/step_{k}/            model.safetensors (full fine-tuning) or adapter/ (PEFT save_pretrained),
                                      optimizer.pt, rng.pt (python, numpy, torch and CUDA RNG states), tokenizer/,
-                                     state.json (the step, and each file's size and sha256)
+                                     scaler.pt (a float16 run's loss-scaler state), state.json (the step, and each
+                                     file's size and sha256)
     checkpoints/latest               the name of the newest complete checkpoint ("step_{k}")
     lock                             the writer's lock (``writer_lock``): one process writes a run at a time
 
@@ -50,6 +51,9 @@ Metric keys (plain floats; plots and widgets read these names, whatever produced
     grad/norm                     gradient norm before clipping, mean over the step's optimizer steps
     update/optimizer_steps        optimizer steps taken this step (minibatches x epochs x stages)
     skipped/nonfinite             1 when a non-finite loss or gradient stopped the step's updates, else 0
+    amp/skipped_steps, amp/scale  float16 runs only: optimizer steps the loss scaler skipped for an inf/nan
+                                  gradient (an expected overflow; the step's other optimizer steps run), and the
+                                  scale after the step
     every probe_every steps, from probes.GradientProbe on the step's real backward passes ("position"
     attribution, averaged over the step's backward passes; bins by pi_old, TrainConfig.probe_bins):
     tokens/share_bin{i}           share of response tokens in probability bin i
@@ -274,8 +278,9 @@ def latest_checkpoint(path: str | Path) -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def save_checkpoint(path: str | Path, step: int, model, optimizer=None, tokenizer=None) -> Path:
-    """Save the trainable weights, optimizer state and RNG states after ``step`` (order 3-4 of the module docstring):
+def save_checkpoint(path: str | Path, step: int, model, optimizer=None, tokenizer=None, scaler=None) -> Path:
+    """Save the trainable weights, optimizer state, the loss scaler's state (``scaler``: a float16 run's
+    ``torch.amp.GradScaler``) and RNG states after ``step`` (order 3-4 of the module docstring):
     into step_{k}.partial/, state.json with every file's size and sha256 last, rename, then point ``latest`` at it.
     A crash at any moment leaves the previous checkpoint as the latest; so does a full disk (DiskFullError), which
     also removes the partial checkpoint to give its space back."""
@@ -287,7 +292,7 @@ def save_checkpoint(path: str | Path, step: int, model, optimizer=None, tokenize
         root.mkdir(parents=True, exist_ok=True)
     durable.remove(partial)  # left by a crash mid-save: never committed
     try:
-        _write_checkpoint(partial, step, model, optimizer, tokenizer)
+        _write_checkpoint(partial, step, model, optimizer, tokenizer, scaler)
     except durable.DiskFullError:  # give the space back at once; the previous checkpoint stays the latest
         durable.remove(partial)
         raise
@@ -297,7 +302,7 @@ def save_checkpoint(path: str | Path, step: int, model, optimizer=None, tokenize
     return final
 
 
-def _write_checkpoint(partial: Path, step: int, model, optimizer, tokenizer) -> None:
+def _write_checkpoint(partial: Path, step: int, model, optimizer, tokenizer, scaler=None) -> None:
     """Every file of checkpoint ``step`` into ``partial``, fsynced, state.json (each file's size and sha256) last."""
     # torch (and models, which loads it) only here and in load_checkpoint: reading run folders stays light
     import numpy as np
@@ -319,6 +324,8 @@ def _write_checkpoint(partial: Path, step: int, model, optimizer, tokenizer) -> 
             tokenizer.save_pretrained(partial / "tokenizer")
     if optimizer is not None:
         blobs["optimizer.pt"] = _torch_bytes(optimizer.state_dict())
+    if scaler is not None:
+        blobs["scaler.pt"] = _torch_bytes(scaler.state_dict())
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -331,8 +338,10 @@ def _write_checkpoint(partial: Path, step: int, model, optimizer, tokenizer) -> 
     durable.fsync_dir(partial)
 
 
-def load_checkpoint(folder: str | Path, model, optimizer=None, restore_rng: bool = True) -> int:
-    """Load a checkpoint folder into ``model`` (and ``optimizer``), restore the RNG states; returns its step."""
+def load_checkpoint(folder: str | Path, model, optimizer=None, restore_rng: bool = True, scaler=None) -> int:
+    """Load a checkpoint folder into ``model`` (and ``optimizer``, and ``scaler`` from scaler.pt), restore the RNG
+    states; returns its step. A checkpoint without scaler.pt (saved before float16 runs kept one) leaves ``scaler``
+    at its initial scale, which finds its level again within a few optimizer steps."""
     import numpy as np
     import torch
 
@@ -360,6 +369,8 @@ def load_checkpoint(folder: str | Path, model, optimizer=None, restore_rng: bool
                 params[name].copy_(value)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False))
+    if scaler is not None and (folder / "scaler.pt").is_file():
+        scaler.load_state_dict(torch.load(folder / "scaler.pt", weights_only=True))
     if restore_rng:
         rng = torch.load(folder / "rng.pt", weights_only=False)
         random.setstate(rng["python"])

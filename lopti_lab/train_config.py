@@ -23,18 +23,35 @@ from lopti_lab.configs import field_docs, from_dict
 from lopti_lab.kk import PROMPT_STYLES
 from lopti_lab.kk.data import split_files
 from lopti_lab.methods import method_label
-from lopti_lab.models import DEFAULT_LORA_TARGETS, PROMPT_STYLE_KEY, LoraSpec, check_model_name, prompt_style_of
+from lopti_lab.models import (
+    DEFAULT_LORA_TARGETS,
+    PROMPT_STYLE_KEY,
+    LoraSpec,
+    check_model_name,
+    half_full_finetune_error,
+    prompt_style_of,
+)
 from lopti_lab.rollout import FAST_PATHS
 
-__all__ = ["LOSSES", "OPTIMIZERS", "RESUMABLE_CHANGES", "TrainConfig"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "LOSSES", "OPTIMIZERS", "RESUMABLE_CHANGES", "TrainConfig"]
 
 OPTIMIZERS = ("adamw", "sgd")
 """``TrainConfig.optimizer`` choices."""
 LOSSES = ("ppo", "cispo", "clip_cov", "kl_cov")
 """``TrainConfig.loss`` choices: the paper's clipped loss and the token-level losses after it (token_credit)."""
 
-RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "progress", "run_dir", "max_nonfinite_steps")
-"""The fields a resumed run may change (everything else must match the saved config)."""
+HUB_PROMPT_STYLES = ("instruct", "base", "chat")
+"""The prompt styles any model can take; the others of ``kk.PROMPT_STYLES`` (the quiz styles) are lab models' only."""
+LAB_PROMPT_STYLES = tuple(s for s in PROMPT_STYLES if s not in HUB_PROMPT_STYLES)
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+"""``TrainConfig.attn_implementation`` choices (transformers' names)."""
+
+RESUMABLE_CHANGES = (
+    "steps", "eval_every", "save_every", "progress", "run_dir", "max_nonfinite_steps", "attn_implementation"
+)  # fmt: skip
+"""The fields a resumed run may change (everything else must match the saved config): the attention kernel among
+them, so that a run begun with flash-attn resumes on a machine without it."""
 
 
 @dataclass
@@ -53,18 +70,26 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     """module names that get adapters: attention and MLP projections"""
     dtype: str = "auto"
-    """"auto" (bf16 on a GPU, float32 on CPU), "float32", "bfloat16" or "float16\""""
+    """"auto" (what the device has natively, models.native_dtype: bfloat16 on a GPU of compute capability >= 8.0,
+    float16 below it, as on a T4, float32 on a CPU), "float32", "bfloat16" or "float16". float16 trains with a loss
+    scaler (torch.amp.GradScaler: an optimizer step whose gradients overflow is skipped, metrics amp/...). Full
+    fine-tuning (lora_r None) keeps float32 weights: "auto" is float32 for it, and a half dtype is refused"""
     device: str = "auto"
     """"auto" (cuda if available), "cpu", "cuda", "cuda:1", ..."""
     gradient_checkpointing: bool = False
     """recompute activations in backward: less GPU memory for long responses, about 30% slower updates"""
+    attn_implementation: str = "sdpa"
+    """the attention kernel the model loads with (ATTN_IMPLEMENTATIONS): "sdpa" (torch's fused attention, any device),
+    "eager" (plain matmuls and softmax) or "flash_attention_2" (needs the flash-attn package and a bf16/fp16 GPU);
+    a resumed run may change it (the same math, other rounding)"""
 
     # --- data ---
     prompt_style: str | None = None
     """the prompt format (kk.PROMPT_STYLES): "instruct" (the Logic-RL Qwen chat string), "base" (plain text), "chat"
     (the tokenizer's chat template) or a lab model's quiz style; None = the style the model's config.json names (a
     lab model's: models.prompt_style_of), else "instruct". A style other than the one a model's config names is
-    refused: the model was not trained on it"""
+    refused: the model was not trained on it; a lab model's quiz style with a model that names none becomes
+    "instruct" (what `replace(lab_config, model="Qwen/...")` means)"""
     train_people: tuple[int, ...] = (3, 4, 5, 6, 7)
     """people counts mixed in the training set (the paper: 3-7)"""
     eval_people: tuple[int, ...] = (3, 4, 5, 6, 7)
@@ -277,9 +302,12 @@ def _validate(c: TrainConfig) -> None:
     check.real("lora_dropout", 0.0, 1.0, high_open=True)
     check.items("lora_targets", lambda t: isinstance(t, str) and t != "", "module names", distinct=True)
     check.choice("dtype", ("auto", "float32", "bfloat16", "float16"))
+    half_full = half_full_finetune_error(c.dtype) if c.lora_r is None else None
+    check.need(half_full is None, "dtype", f"is refused: {half_full}")
     check.text("device")
     check.need(c.device == "auto" or _is_device(c.device), "device", "must be 'auto' or a torch device ('cuda:1')")
     check.flag("gradient_checkpointing")
+    check.choice("attn_implementation", ATTN_IMPLEMENTATIONS)
     # --- data
     try:
         own = prompt_style_of(c.model)  # the prompt a lab model was trained on (None: the model names none)
@@ -288,8 +316,13 @@ def _validate(c: TrainConfig) -> None:
     if c.prompt_style is None:
         c.prompt_style = own or "instruct"
     check.choice("prompt_style", PROMPT_STYLES)
+    # quiz styles exist only for lab models: beside a model naming none, one was carried over by replace(), not chosen
+    if own is None and c.prompt_style in LAB_PROMPT_STYLES:
+        c.prompt_style = "instruct"
+    # a lab model names its own style: any other (another lab model's included) is refused, not silently swapped,
+    # as an explicit choice and a carried-over one look the same here and the model was trained on one prompt only
     check.need(own is None or c.prompt_style == own, "prompt_style", f"must be {own!r}, the prompt model {c.model!r} "
-               f"was trained on (its config.json's {PROMPT_STYLE_KEY}); leave it unset to use it")  # fmt: skip
+               f"was trained on (its config.json's {PROMPT_STYLE_KEY}); leave it unset (None) to use it")  # fmt: skip
     check.items("train_people", _people_count, "people counts >= 2", distinct=True)
     check.items("eval_people", _people_count, "people counts >= 2", nonempty=False, distinct=True)
     check.text("data_root", optional=True)

@@ -38,11 +38,12 @@ from lopti_lab.bins import entropy_rank
 from lopti_lab.evaluate import evaluate, score_rollout
 from lopti_lab.kk import Puzzle, build_prompt, load_split
 from lopti_lab.methods import run_name
-from lopti_lab.models import Reference, load_policy
+from lopti_lab.models import Reference, load_policy, resolve_device, training_dtype
 from lopti_lab.objective import (
     group_advantages,
     masked_mean,
 )
+from lopti_lab.plan import fit_to_device
 from lopti_lab.probes import GradientProbe, fig3_metrics, positive_rows, probability_shift, update_logprobs
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.resume import repair_for_resume, resume_point
@@ -74,10 +75,12 @@ def train_step(
     reference: Reference | None = None,
     probe: bool = False,
     measure_shift: bool = False,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, float]:
     """One RL step on ``puzzles`` (prompts_per_step of them): rollout, reward, advantages, update; its metrics.
     ``probe``: the gradient probe's per-bin shares and the float64 shift of the update (``shift/...``);
-    ``measure_shift``: the paper's Fig. 3 measurement of the update (``fig3/...``, ``probes.update_shift``)."""
+    ``measure_shift``: the paper's Fig. 3 measurement of the update (``fig3/...``, ``probes.update_shift``);
+    ``scaler``: a float16 policy's loss scaler (``update.update_policy``), kept by the caller across steps."""
     cfg, group = config, config.group_size
     sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
     # pi_old before the update: AR weights and Lopti stages read it, a probe bins by it, and a second optimizer step
@@ -127,12 +130,15 @@ def train_step(
     t_shift = time.perf_counter()
     fig3 = Fig3Batch(model, rollout, advantages, cfg) if measure_shift else None
     t_shift = time.perf_counter() - t_shift
+    scale = scaler.get_scale() if scaler is not None else 1.0  # the probe sees the scaled backward
     with gradient_probe or nullcontext():
-        metrics.update(update_policy(model, optimizer, rollout, token_adv, stages, cfg, gradient_probe))
+        metrics.update(update_policy(model, optimizer, rollout, token_adv, stages, cfg, gradient_probe, scaler=scaler))
     sync()
     t4 = time.perf_counter()
     if gradient_probe is not None and metrics["update/optimizer_steps"] > 0:
-        metrics.update(gradient_probe.metrics())
+        if not metrics.get("amp/skipped_steps"):  # an overflowed backward's record is inf: no bins this step
+            probed = gradient_probe.metrics()
+            metrics.update({k: v / scale if k.startswith("grad/norm_") else v for k, v in probed.items()})
         metrics.update(shift_metrics(model, rollout, advantages, cfg, before))
     if fig3 is not None:
         metrics.update(fig3.after(model))
@@ -286,7 +292,8 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
     process is writing is refused at once with RunFolderLocked naming it. A full disk stops the run with a
     ``durable.DiskFullError`` naming the file, the folder left consistent: free space and resume.
     """
-    cfg = config
+    # a GPU: batch sizes that fit, or a refusal naming the fields to lower, before the run folder and the weights
+    cfg = fit_to_device(config, resolve_device(config.device))
     if cfg.run_dir is None:
         cfg = replace(cfg, run_dir=str(Path("runs") / run_name(cfg.method)))
     with runs.writer_lock(cfg.run_dir):
@@ -295,6 +302,7 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
 
 def _train(cfg: TrainConfig, callbacks: Iterable[Callback], resume: bool) -> TrainResult:
     """``train``'s body, under the folder's writer lock."""
+    device = resolve_device(cfg.device)
     folder = runs.RunFolder(cfg.run_dir)
     point = resume_point(cfg) if resume else None
     if not resume and folder.exists():
@@ -313,14 +321,18 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], resume: bool) -> Tra
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_policy(cfg.model, cfg.lora_spec(), cfg.dtype, cfg.device, cfg.gradient_checkpointing)
+    dtype = training_dtype(cfg.dtype, device, full_finetune=cfg.lora_r is None)
+    model, tokenizer = load_policy(cfg.model, cfg.lora_spec(), dtype, device, cfg.gradient_checkpointing,
+                                   attn_implementation=cfg.attn_implementation)  # fmt: skip
     reference = Reference(model) if cfg.kl_coef > 0 else None
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
+    # float16 (a GPU below compute capability 8.0): loss scaling, its state checkpointed with the optimizer's
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     start, history = 0, []
     if point is not None:
         if point.checkpoint is not None:  # else: the initial weights and the seeded RNG, as a straight run starts
-            start = runs.load_checkpoint(point.checkpoint, model, optimizer)
+            start = runs.load_checkpoint(point.checkpoint, model, optimizer, scaler=scaler)
         repair_for_resume(folder.path, point)
         for note in point.notes:
             print(f"resume {folder.path}: {note}", file=sys.stderr)
@@ -338,7 +350,10 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], resume: bool) -> Tra
             group["lr"] = learning_rate(cfg, step)
         measure = cfg.shift_every > 0 and step % cfg.shift_every == 0
         batch = stream.batch(step)
-        metrics = {"step": step, **train_step(model, tokenizer, optimizer, batch, cfg, reference, probe, measure)}
+        metrics = {
+            "step": step,
+            **train_step(model, tokenizer, optimizer, batch, cfg, reference, probe, measure, scaler=scaler),
+        }
         if eval_set and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             t_eval = time.perf_counter()
             metrics.update(
@@ -364,7 +379,7 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], resume: bool) -> Tra
         sick = _nonfinite_streak(history)
         halt = bool(cfg.max_nonfinite_steps) and sick >= cfg.max_nonfinite_steps
         if stopped or halt or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            runs.save_checkpoint(folder.path, step, model, optimizer, tokenizer)
+            runs.save_checkpoint(folder.path, step, model, optimizer, tokenizer, scaler=scaler)
         bar.set_postfix({"reward": f"{metrics['reward/mean']:.2f}", "acc": f"{metrics['acc/all']:.2f}"})
         if halt:
             bar.close()
@@ -409,6 +424,9 @@ def load_trained(run_dir: str | Path, step: int | None = None, device: str | Non
     folder = Path(run_dir) / runs.CHECKPOINTS / f"step_{step}" if step is not None else runs.latest_checkpoint(run_dir)
     if folder is None or not folder.is_dir():
         raise FileNotFoundError(f"no checkpoint {'step_' + str(step) if step else ''} in {run_dir}/checkpoints")
-    model, tokenizer = load_policy(cfg.model, cfg.lora_spec(), cfg.dtype, device or cfg.device)
+    device = resolve_device(device or cfg.device)
+    dtype = training_dtype(cfg.dtype, device, full_finetune=cfg.lora_r is None)  # the dtype it was trained in
+    model, tokenizer = load_policy(cfg.model, cfg.lora_spec(), dtype, device,
+                                   attn_implementation=cfg.attn_implementation)  # fmt: skip
     runs.load_checkpoint(folder, model, restore_rng=False)
     return model, tokenizer, cfg

@@ -63,6 +63,7 @@ def update_policy(
     config: TrainConfig,
     probe: GradientProbe | None = None,
     probe_by: torch.Tensor | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, float]:
     """All optimizer steps of one RL step; returns the update's metrics.
 
@@ -71,6 +72,13 @@ def update_policy(
     inside a Lopti stage (the paper's code). A non-finite loss or gradient norm skips that optimizer step, zeroes
     the gradients and ends the step's updates (``skipped/nonfinite`` = 1). An attached ``probe`` gets each
     micro-batch's rollout probabilities before its forward and records the per-bin gradients of its backward.
+
+    ``scaler`` (a float16 policy, made once by the trainer and kept across steps): each backward runs on the loss
+    times the scale, so that small gradients do not underflow float16 (smallest subnormal ~6e-8); the gradients are
+    unscaled before clipping, and an optimizer step whose gradients overflowed (inf/nan) is skipped by the scaler,
+    which halves its scale: an expected event, not the end of the RL step (``amp/skipped_steps``, ``amp/scale``
+    after the step). A non-finite loss still ends the step's updates (``skipped/nonfinite``): no scale fixes it;
+    so does an overflow at a scale <= 1, where the gradient itself does not fit float16.
 
     Only the stage's tokens with a nonzero advantage (every stage token when a KL term acts) have a gradient: the
     diagnostics (approx_kl, clip fractions, kl) are means over those, and, when pi_old is given and no probe is
@@ -85,7 +93,7 @@ def update_policy(
     input_ids, attention_mask = rollout.input_ids, rollout.attention_mask  # (B, P + T)
     keys = ("approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl", "tokens", "loss", "entropy")
     sums = {key: torch.zeros((), device=input_ids.device) for key in keys}
-    grad_norms, n_steps, nonfinite = [], 0, False
+    grad_norms, n_steps, nonfinite, amp_skipped = [], 0, False, 0
     with_kl = rollout.ref_logp is not None and config.kl_coef != 0.0
     trim = not on_policy and probe is None  # on-policy: every row's forward is pi_old and its entropy
     model.train()
@@ -124,7 +132,7 @@ def update_policy(
                     None if rollout.ref_logp is None else rollout.ref_logp[r],
                     denom,
                 )
-                loss.backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
                 ran = True
                 minibatch_loss += loss.detach()
                 for key in ("approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl"):
@@ -133,12 +141,28 @@ def update_policy(
             if not ran:  # every forward skipped: the step is still taken, on the zero gradient a backward gives
                 for p in params:
                     p.grad = torch.zeros_like(p)
+            if scaler is not None:
+                if not torch.isfinite(minibatch_loss):
+                    nonfinite = True
+                    break
+                scaler.unscale_(optimizer)  # clip (and report) the true gradient
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip or math.inf)
-            if not (torch.isfinite(minibatch_loss) and torch.isfinite(grad_norm)):
+            if scaler is not None:
+                scale = scaler.get_scale()
+                scaler.step(optimizer)  # skipped when unscale_ found an inf/nan gradient
+                scaler.update()  # halves the scale after a skip, doubles it after growth_interval clean steps
+                if scaler.get_scale() < scale:
+                    amp_skipped += 1
+                    if scale <= 1.0:  # it overflowed unscaled: the gradient itself is not finite in float16
+                        nonfinite = True
+                        break
+                    continue
+            elif not (torch.isfinite(minibatch_loss) and torch.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
                 nonfinite = True
                 break
-            optimizer.step()
+            else:
+                optimizer.step()
             n_steps += 1
             grad_norms.append(grad_norm.detach())
             sums["loss"] += minibatch_loss
@@ -157,6 +181,7 @@ def update_policy(
         "grad/norm": torch.stack(grad_norms).mean().item() if grad_norms else math.nan,
         "update/optimizer_steps": float(n_steps),
         "skipped/nonfinite": float(nonfinite),
+        **({"amp/skipped_steps": float(amp_skipped), "amp/scale": scaler.get_scale()} if scaler is not None else {}),
         **({"policy/entropy": sums["entropy"].item() / rollout.response_mask.sum().item()} if on_policy else {}),
     }
 

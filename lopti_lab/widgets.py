@@ -18,9 +18,11 @@ the figure without flicker.
 from __future__ import annotations
 
 import base64
+import gc
 import io
 import signal
 import threading
+import traceback
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,9 +32,10 @@ import pandas as pd
 import torch
 from IPython.display import display
 
-from lopti_lab import plots, runs
+from lopti_lab import plan, plots, runs
 from lopti_lab.demo.mechanism import OPTIMIZER_SETTINGS, decomposition
 from lopti_lab.methods import ENTROPY_ADV_ALPHA, FORKING_RHO, METHODS, PAPER, method_label, run_name
+from lopti_lab.models import prompt_style_of
 from lopti_lab.notebook import Environment, setup, training_defaults
 from lopti_lab.theory import grad_norm_bounds, logit_grad_norm
 from lopti_lab.toy import ToyConfig, simulate
@@ -219,6 +222,7 @@ class TrainPanel(_Panel):
         env = env or setup()
         base = base or training_defaults(env)
         self.base, self.run_root, self.regimes = base, Path(run_root), dict(regimes or {})
+        self.gpu = env.gpu  # the GPU the planner sizes a typed model's batches for (None on a CPU)
         # the lab's regimes (notebook.lab_regimes): picking one sets every setting to its TrainConfig
         self.regime = W.Dropdown(options=list(self.regimes), value=None, description="regime")
         self.model = W.Text(value=base.model, description="model")
@@ -304,8 +308,15 @@ class TrainPanel(_Panel):
         batch = values["group_size"] * values["prompts_per_step"]
         if self.base.minibatch_size > batch or batch % self.base.minibatch_size:
             values["minibatch_size"] = batch  # the panel's batch changed: one minibatch per stage
+        if values["model"] != self.base.model and self.base.prompt_style == prompt_style_of(self.base.model):
+            values["prompt_style"] = None  # the base's style was its model's own: the typed model's own replaces it
         name = self.name.value.strip() or run_name(method_label(values))
-        return replace(self.base, run_dir=str(self.run_root / name), progress=False, **values)
+        config = replace(self.base, run_dir=str(self.run_root / name), progress=False, **values)
+        if self.gpu is not None and config.model != self.base.model and config.lora_r is not None:
+            # a typed model gets batch sizes that fit it (or a ValueError naming what to lower)
+            sized = replace(config, micro_batch_size=None, generate_batch_size=None)
+            config = plan.resolve_batch_sizes(sized, plan.model_config(config.model), self.gpu)
+        return config
 
     def _use(self, regime: str | None) -> None:
         """Make a regime's TrainConfig the panel's base and set every control from it (model, switches, optimizer,
@@ -406,6 +417,9 @@ class TrainPanel(_Panel):
                 if not threaded:
                     raise
             finally:
+                # a finished run keeps its TrainResult (the trained model); a failed one keeps only its error (a
+                # blocking run's caller gets the exception whole, its frames intact for a debugger)
+                _release(self.error if threaded else None)
                 self.stop_button.disabled = True
                 self._lock_settings(False)
                 self.run_button.disabled = False
@@ -428,6 +442,22 @@ class TrainPanel(_Panel):
         if self._thread is not None:
             self._thread.join(timeout)
         return self.result
+
+
+def _release(err: BaseException | None) -> None:
+    """Give back the memory a finished or failed run held: an exception kept for the page would keep, through its
+    traceback's frames, the model, optimizer and activations of every call it passed (and a NonFiniteError its
+    TrainResult's model), so its frames' locals are cleared; then the cycles are collected and CUDA's cached blocks
+    returned, so that the next Run (or another notebook) can load a model on the same GPU."""
+    while err is not None:
+        if err.__traceback__ is not None:
+            traceback.clear_frames(err.__traceback__)  # the message and the line numbers stay
+        if getattr(err, "result", None) is not None:
+            err.result = None
+        err = err.__cause__ or err.__context__
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

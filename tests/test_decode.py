@@ -246,7 +246,7 @@ def test_shared_prompt_forward_equals_hf_forward_and_gradients(tok, variant, mon
                 if "lora_B" in name:
                     p.normal_(0, 0.1)
     if variant == "checkpointing":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.generation_config.eos_token_id = stops_for(len(tok))  # responses of many lengths: several buckets
     torch.manual_seed(0)
     rollout = sample(model, tok, PROMPTS, 4, max_new_tokens=16, temperature=0.8, with_logprobs=False)

@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("trl", reason="the trl extra is not installed (pip install -e '.[trl]')")
 
@@ -105,3 +106,34 @@ def test_the_trl_extra_is_pinned_installed_by_setup_and_mirrored_in_environment_
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     default_extras = re.search(r"EXTRAS:-([\w,]+)", setup).group(1).split(",")
     assert {"test", "trl"} <= set(default_extras)  # CI (setup.sh + pytest) installs and tests the trl extra
+
+
+@pytest.mark.parametrize(
+    ("native", "flags", "full", "lora"),
+    [
+        ("bfloat16", (True, False), "float32", "bfloat16"),  # compute capability >= 8.0: float32 master weights
+        ("float16", (False, True), "float32", "float16"),  # a T4: the same, unless the base is frozen (LoRA)
+        ("float32", (False, False), "float32", "float32"),  # a CPU
+    ],
+)
+def test_the_one_gpu_command_trains_in_the_devices_precision(monkeypatch, native, flags, full, lora):
+    """Without --dtype / --bf16 / --fp16 the script takes models.resolve_dtype("auto") of the device (faked here):
+    the mixed-precision flags and the weights' dtype agree; a recipe's or the command line's own values win."""
+    module = train_kk()
+    monkeypatch.setattr(module, "resolve_dtype", lambda dtype, device: getattr(torch, native))
+
+    def parse(*argv):
+        parser = TrlParser((module.KKArguments, LoptiGRPOConfig, ModelConfig))
+        parser.set_defaults(**module.precision_defaults())
+        _, args, model_args = parser.parse_args_and_config(["--output_dir", "unused", *argv])
+        return args, model_args
+
+    # bf16 without a GPU is refused by TrainingArguments: its device check is faked too
+    monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)
+    args, model_args = parse()
+    assert (args.bf16, args.fp16) == flags
+    assert module.model_dtype(args, model_args) == full
+    args, model_args = parse("--use_peft", "true")
+    assert module.model_dtype(args, model_args) == lora
+    args, model_args = parse("--bf16", "false", "--fp16", "false", "--dtype", "float32")
+    assert (args.bf16, args.fp16, module.model_dtype(args, model_args)) == (False, False, "float32")

@@ -72,7 +72,7 @@ def settings(tmp_path, **overrides) -> dict:
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         num_generations=4,

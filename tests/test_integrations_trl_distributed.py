@@ -59,7 +59,7 @@ def test_two_processes_train_two_rl_steps_with_ar_and_lopti_and_save_a_checkpoin
         "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "640",
         "--temperature", "1.0", "--learning_rate", "1e-5", "--lr_scheduler_type", "constant",
         "--output_dir", str(out), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
-        "--report_to", "none", "--use_cpu", "true", "--bf16", "false", "--gradient_checkpointing", "false",
+        "--report_to", "none", "--use_cpu", "true", "--bf16", "false", "--activation_checkpointing", "false",
         "--disable_tqdm", "true", "--seed", "0",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

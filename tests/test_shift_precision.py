@@ -129,3 +129,141 @@ def test_float64_logprobs_by_length_chunks_equal_one_row_at_a_time():
     alone = float64_logprobs(model, ids, attn, resp, batch_size=1)
     assert chunked.dtype == torch.float64 and bool((chunked[resp] != 0).all())
     torch.testing.assert_close(chunked, alone, rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The float64 forward one module at a time (probes.float64): today's whole-model float64 numbers, in bounded memory
+
+
+def _ragged_batch(vocab: int, lengths: list[int], prompt: int = 6):
+    """Rows of random tokens: some prompts left-padded, rows 0 and 1 one prompt (a group: the lean path shares it),
+    responses right-padded to the longest."""
+    gen = torch.Generator().manual_seed(0)
+    B, T = len(lengths), max(lengths)
+    ids = torch.randint(3, vocab, (B, prompt + T), generator=gen)
+    attn = torch.ones(B, prompt + T, dtype=torch.long)
+    attn[::3, :2] = 0
+    ids[1, :prompt], attn[1, :prompt] = ids[0, :prompt], attn[0, :prompt]
+    resp = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # (B, T)
+    attn[:, prompt:] = resp.long()
+    return ids, attn, resp
+
+
+def _lora_policy(model_dir, lm_head: bool = False):
+    """The tiny policy with a LoRA adapter whose B matrices are not zero (so the adapters change every output)."""
+    from lopti_lab.models import DEFAULT_LORA_TARGETS, LoraSpec, load_policy
+
+    targets = (*DEFAULT_LORA_TARGETS, "lm_head") if lm_head else DEFAULT_LORA_TARGETS
+    model, tok = load_policy(str(model_dir), LoraSpec(r=4, alpha=8, target_modules=targets))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def lab_model():
+    from lopti_lab.models import load_policy
+
+    return load_policy("lab", lora=None)
+
+
+@pytest.mark.parametrize("chunks", [None, (100, 7)], ids=["default_chunks", "small_chunks"])
+@pytest.mark.parametrize("path", ["lean", "hf", "positions"])
+@pytest.mark.parametrize("which", ["lab", "tiny_lora"])
+def test_layerwise_float64_equals_the_whole_model_in_float64(which, path, chunks, lab_model, model_dir, monkeypatch):
+    """float64_response_logprobs against today's forward of the whole model cast to float64 (in_float64 around
+    rollout.response_logprobs, or the model's own forward given position ids), on the bundled lab model and on a tiny
+    LoRA policy: equal to 1e-12 (measured: bit for bit when the vocabulary is one chunk, 1e-14 when the head runs in
+    chunks of 100 logits of 7 tokens, a running logsumexp over 11 chunks of the lab model's 1024)."""
+    from lopti_lab.probes import float64 as f64
+    from lopti_lab.probes._common import _default_position_ids, _response_logp
+
+    if chunks is not None:
+        monkeypatch.setattr(f64, "VOCAB_CHUNK", chunks[0])
+        monkeypatch.setattr(f64, "TOKEN_CHUNK", chunks[1])
+    model, tok = lab_model if which == "lab" else _lora_policy(model_dir)
+    assert f64.stream_unsupported(model) is None
+    ids, attn, resp = _ragged_batch(len(tok), [3, 17, 9, 30, 1, 22, 5])
+    positions = _default_position_ids(attn) if path == "positions" else None
+    fast_path = "hf" if path == "hf" else "auto"
+    with in_float64(model), torch.inference_mode():
+        if positions is None:
+            today = response_logprobs(model, ids, attn, resp, 0.7, fast_path=fast_path)[0]
+        else:
+            today = _response_logp(model, ids, attn, resp.shape[1], positions, 0.7) * resp
+    new = f64.float64_response_logprobs(model, ids, attn, resp, 0.7, fast_path, position_ids=positions)
+    assert new.dtype == torch.float64 and bool((new[resp] != 0).all()) and bool((new[~resp] == 0).all())
+    torch.testing.assert_close(new, today, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("which", ["bare", "lora"])
+def test_at_most_one_module_is_in_float64_at_a_time(which, tiny_model, model_dir, tokenizer):
+    """The memory bound itself: at every module's return inside the forward, the float64 parameters of the model are
+    those of one cast unit at most (a Linear with its LoRA adapters, or a norm), never the whole model; the
+    embedding/lm_head matrix is never cast. Afterwards every parameter is the same tensor on the same storage, bits
+    and dtype unchanged (an optimizer holding them sees nothing)."""
+    from lopti_lab.probes.float64 import _cast_units, float64_response_logprobs
+
+    model = tiny_model if which == "bare" else _lora_policy(model_dir)[0]
+    params = list(model.parameters())
+    before = [(p.data_ptr(), p.dtype, p.detach().clone()) for p in params]
+    base = model.get_base_model() if which == "lora" else model
+    units = _cast_units(model, (base.get_input_embeddings(), base.get_output_embeddings()))
+    largest = max(sum(p.numel() for p in unit.parameters()) for unit in units)
+    seen = []
+
+    def count(module, args, out):
+        seen.append(sum(p.numel() for p in params if p.dtype == torch.float64))
+
+    hook = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        ids, attn, resp = _ragged_batch(len(tokenizer), [4, 9, 2])
+        float64_response_logprobs(model, ids, attn, resp)
+    finally:
+        hook.remove()
+    assert 0 < max(seen) <= largest < sum(p.numel() for p in params) / 10
+    for p, (ptr, dtype, value) in zip(params, before, strict=True):
+        assert p.data_ptr() == ptr and p.dtype == dtype and torch.equal(p, value)
+
+
+def test_a_failing_forward_leaves_every_weight_as_it_was(tiny_model, tokenizer):
+    """A unit whose forward raises (its weights in float64 at that moment), or whose own earlier pre-hook raises,
+    inside layerwise_float64: every weight gets its original storage and dtype back."""
+    from lopti_lab.probes.float64 import float64_response_logprobs
+
+    params = list(tiny_model.parameters())
+    before = [(p.data_ptr(), p.dtype) for p in params]
+    down = tiny_model.model.layers[1].mlp.down_proj
+
+    def boom(*args):
+        assert down.weight.dtype == torch.float64  # the unit is cast when its forward runs
+        raise RuntimeError("boom")
+
+    ids, attn, resp = _ragged_batch(len(tokenizer), [4, 9])
+    down.forward = boom
+    with pytest.raises(RuntimeError, match="boom"):
+        float64_response_logprobs(tiny_model, ids, attn, resp, fast_path="hf")
+    del down.forward
+    assert [(p.data_ptr(), p.dtype) for p in params] == before
+    hook = down.register_forward_pre_hook(boom)  # before layerwise_float64's own: raises with nothing cast
+    with pytest.raises(AssertionError):
+        float64_response_logprobs(tiny_model, ids, attn, resp, fast_path="hf")
+    hook.remove()
+    assert [(p.data_ptr(), p.dtype) for p in params] == before
+    assert not any("forward" in vars(m) for m in tiny_model.modules())  # norms and head have their own forward back
+
+
+def test_a_model_it_cannot_stream_falls_back_to_the_whole_model_in_float64(model_dir):
+    """LoRA on the lm_head wraps it (it is no plain Linear to stream): stream_unsupported names why, and the
+    measurement is in_float64's, exactly."""
+    from lopti_lab.probes.float64 import float64_response_logprobs, stream_unsupported
+
+    model, tok = _lora_policy(model_dir, lm_head=True)
+    assert "lm_head" in stream_unsupported(model)
+    ids, attn, resp = _ragged_batch(len(tok), [5, 12, 3])
+    with in_float64(model), torch.inference_mode():
+        today = response_logprobs(model, ids, attn, resp)[0]
+    assert torch.equal(float64_response_logprobs(model, ids, attn, resp), today)

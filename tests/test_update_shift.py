@@ -104,6 +104,31 @@ def test_bf16_by_float32_forward_of_the_lab_model_is_bf16_as_torchs(lab_rollout)
     assert bool((ours != native).any())  # the mode did the matmuls (torch's kernels give the same bits each run)
 
 
+@pytest.mark.parametrize("chunks", [None, (100, 7)], ids=["default_chunks", "small_chunks"])
+def test_update_logprobs_equal_the_whole_model_forwards(lab_rollout, chunks, monkeypatch):
+    """update_logprobs streams the head (probes.float64) in both precisions and casts one module at a time to
+    float64: its float64 log-probs are the whole-model float64 forward's to 1e-12, its bf16 ones the whole bf16
+    autocast forward's to float32 rounding (the logsumexp runs over vocabulary chunks; measured 0 with the lab
+    model's vocabulary in one chunk, 2e-6 in chunks of 100), far below bf16's own error (~1e-1 here)."""
+    from lopti_lab.probes import float64 as f64
+
+    if chunks is not None:
+        monkeypatch.setattr(f64, "VOCAB_CHUNK", chunks[0])
+        monkeypatch.setattr(f64, "TOKEN_CHUNK", chunks[1])
+    model, rollout = lab_rollout
+    args = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, 0.7)
+    mask = rollout.response_mask.bool()
+    with in_float64(model), torch.inference_mode():
+        exact = response_logprobs(model, *args)[0]
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), Bf16ByFloat32():
+        bf16 = response_logprobs(model, *args)[0].float()
+    out = update_logprobs(model, *args)
+    assert out["float64"].dtype == torch.float64 and out["bfloat16"].dtype == torch.float32
+    torch.testing.assert_close(out["float64"], exact, rtol=0, atol=1e-12)
+    assert (out["bfloat16"] - bf16)[mask].abs().max() <= 1e-5 < (bf16 - exact)[mask].abs().max()
+    assert bool((out["bfloat16"][~mask] == 0).all())
+
+
 def test_fig3_matches_a_per_token_count_from_float64_copies(model_dir):
     """float64: each bin's share of A > 0 tokens whose probability rose, counted token by token from plain full
     forwards of float64 copies of the model before and after an update. The bf16 log-probs are those of a bf16

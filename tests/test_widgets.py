@@ -215,3 +215,76 @@ def test_the_training_panel_picks_the_hard_lab_regime_and_back(tmp_path):
     cfg = panel.config()
     assert (cfg.model, cfg.method, cfg.steps) == ("lab", "GRPO", regimes["demo lab"].steps)
     assert replace(cfg, run_dir=None) == replace(regimes["demo lab"], run_dir=None, progress=False)
+
+
+def test_a_failed_run_shows_its_error_and_gives_the_memory_back(base, tmp_path, monkeypatch):
+    """A run that fails (here: at its first step, as a CUDA out-of-memory would) leaves the error on the page and
+    nothing that holds its model: the exception's frames are cleared, then gc and CUDA's cache release (faked: no GPU
+    here) run, so a second Run can load a model on the same GPU."""
+    import gc
+    import weakref
+
+    held = {}
+
+    def failing_train(config, callbacks=(), resume=False):
+        model = torch.nn.Linear(4, 4)  # what the real train holds in its frame when a step fails
+        held["model"] = weakref.ref(model)
+        raise RuntimeError("CUDA out of memory (faked)")
+
+    calls = []
+    monkeypatch.setattr(widgets, "train", failing_train)
+    collect = gc.collect
+    monkeypatch.setattr(widgets.gc, "collect", lambda: calls.append("gc") or collect())
+    panel = widgets.TrainPanel(base=base, run_root=tmp_path)
+    monkeypatch.setattr(widgets.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(widgets.torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    panel.run(block=False)
+    panel.wait(timeout=60)
+    assert "error" in panel.status.value and "CUDA out of memory (faked)" in panel.status.value
+    assert isinstance(panel.error, RuntimeError) and panel.result is None
+    assert calls == ["gc", "empty_cache"]
+    assert held["model"]() is None, "the failed run's model is still referenced"
+    assert not panel.run_button.disabled and panel.stop_button.disabled  # ready for another Run
+
+
+def test_typing_a_hub_model_into_a_lab_panel_takes_the_instruct_prompt(tmp_path, model_dir):
+    """The lab model's quiz prompt was made for it: a hub id typed into the model box gets "instruct"; a lab folder
+    that names another quiz style gets that one; the base's own explicit hub style stays with any model."""
+    lab = notebook.training_defaults(notebook.setup(quick=True, device="cpu"))
+    panel = widgets.TrainPanel(base=lab, run_root=tmp_path)
+    assert panel.config().prompt_style == lab.prompt_style != "instruct"
+    panel.model.value = "Qwen/Qwen2.5-1.5B-Instruct"
+    assert panel.config().prompt_style == "instruct"
+    other = tmp_path / "other_lab"
+    other.mkdir()
+    for file in model_dir.iterdir():
+        (other / file.name).write_bytes(file.read_bytes())
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "kk_prompt_style": "chat_quiz_numbered"}))
+    panel.model.value = str(other)
+    assert panel.config().prompt_style == "chat_quiz_numbered"
+    based = widgets.TrainPanel(base=replace(lab, model=str(model_dir), prompt_style="base"), run_root=tmp_path)
+    based.model.value = "Qwen/Qwen2.5-1.5B-Instruct"
+    assert based.config().prompt_style == "base"
+
+
+def test_gpu_defaults_come_from_the_planner_and_a_typed_model_is_resized():
+    """On a GPU (a T4 planned for, no GPU needed) setup picks the first Qwen2.5 that fits with at least two rows a
+    micro-batch, in float16, and the panel re-sizes the batches of a model typed in (re-resolving its prompt style)."""
+    from lopti_lab import plan
+
+    env = notebook.setup(quick=False, device="cpu", gpu="t4")
+    model, cfg, note = notebook.gpu_defaults(plan.GPUS["t4"])
+    assert env.model == model == notebook.GPU_MODELS[0] and "float16 with loss scaling" in note
+    assert plan.estimate(cfg, plan.model_config(model), "t4").peak <= plan.GPUS["t4"].usable
+    assert cfg.micro_batch_size >= notebook.MIN_MICRO_BATCH and cfg.probe_every == 10
+    bigger = replace(cfg, micro_batch_size=cfg.micro_batch_size * 2)
+    with pytest.raises(ValueError, match="micro_batch_size"):  # the planner's choice is the largest that fits
+        plan.check_fits(bigger, plan.model_config(model), "t4")
+    panel = widgets.TrainPanel(env=env)
+    assert panel.config().micro_batch_size == cfg.micro_batch_size
+    panel.model.value = "Qwen/Qwen2.5-0.5B-Instruct"
+    small = panel.config()
+    assert small.micro_batch_size > cfg.micro_batch_size and small.prompt_style == "instruct"
+    h100 = notebook.gpu_defaults(plan.GPUS["h100"])
+    assert h100[0] == "Qwen/Qwen2.5-3B-Instruct" and "bfloat16" in h100[2]

@@ -12,19 +12,24 @@ Every ``LoptiGRPOConfig`` field (TRL's GRPOConfig + ar_alpha, lopti_eta, lopti_o
 rl_steps) and every TRL ``ModelConfig`` field (model_name_or_path, dtype, use_peft, lora_r, ...) is an option; a
 ``--config`` YAML file sets their defaults. ``--model_name_or_path lab`` trains the bundled lab model (a standard
 checkpoint: the tokenizer comes from ``AutoTokenizer``, and the prompt style from its config.json).
+
+Precision follows the device unless named: ``--bf16`` on a GPU of compute capability >= 8.0, ``--fp16`` (with its
+loss scaler) below it (a T4), neither on a CPU (``models.resolve_dtype("auto")``); without ``--dtype`` a LoRA base
+loads in that precision and a fully fine-tuned model in float32, its master weights (``model_dtype``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config
 
 from lopti_lab.integrations.trl import LoptiGRPOConfig, LoptiGRPOTrainer, kk_dataset, kk_reward
 from lopti_lab.kk import PROMPT_STYLES, load_split
 from lopti_lab.kk.data import parse_people
-from lopti_lab.models import PROMPT_STYLE_KEY, model_path, prompt_style_of
+from lopti_lab.models import PROMPT_STYLE_KEY, model_path, prompt_style_of, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -43,8 +48,29 @@ class KKArguments:
     )
 
 
+def precision_defaults() -> dict:
+    """The parser's defaults for this machine: the mixed-precision flag its device computes in natively (TRL's own
+    default, bf16, is refused by a T4) and no ``dtype`` (then ``model_dtype`` picks it); a recipe or an option
+    overrides them."""
+    native = resolve_dtype("auto", resolve_device("auto"))
+    return {"bf16": native == torch.bfloat16, "fp16": native == torch.float16, "dtype": None}
+
+
+def model_dtype(args: LoptiGRPOConfig, model_args: ModelConfig) -> str:
+    """``--dtype`` when given, else: beneath LoRA the frozen base in the precision the flags train in (bfloat16
+    under bf16, float16 under fp16); full fine-tuning in float32, the master weights (a half-precision weight
+    swallows updates of lr ~1e-6, and the fp16 loss scaler cannot unscale float16 gradients), autocast computing in
+    the flags' precision; float32 with neither flag."""
+    if model_args.dtype is not None:
+        return model_args.dtype
+    if not model_args.use_peft:
+        return "float32"
+    return "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = TrlParser((KKArguments, LoptiGRPOConfig, ModelConfig))
+    parser.set_defaults(**precision_defaults())
     data, args, model_args = parser.parse_args_and_config(argv)
     if model_args.model_name_or_path is None:
         parser.error("--model_name_or_path is required (a hub id, a local folder or 'lab')")
@@ -56,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     if own is not None and style != own:
         parser.error(f"--prompt_style {style!r}: {model} was trained on {own!r} (its config.json's "
                      f"{PROMPT_STYLE_KEY}); leave --prompt_style unset to use it")  # fmt: skip
-    args.model_init_kwargs = {"dtype": model_args.dtype or "float32", "revision": model_args.model_revision}
+    args.model_init_kwargs = {"dtype": model_dtype(args, model_args), "revision": model_args.model_revision}
     if model_args.attn_implementation is not None:
         args.model_init_kwargs["attn_implementation"] = model_args.attn_implementation
 

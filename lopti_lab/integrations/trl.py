@@ -102,8 +102,15 @@ class LoptiGRPOConfig(GRPOConfig):
             "help": "RL steps (generations) to train: sets max_steps = rl_steps x optimizer_steps_per_generation."
         },
     )
+    # TRL's default (on) under transformers 5's name: TRL sets the old name, whose every use warns that v6 removes it
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers 5), removed in v6."},
+    )
 
     def __post_init__(self):
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default; an explicit old name still wins (and warns)
         super().__post_init__()
         _validate(self)
         if self.rl_steps is not None:

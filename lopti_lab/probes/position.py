@@ -79,17 +79,16 @@ class _Input:
 
     @classmethod
     def weak(cls, x: torch.Tensor, width: int) -> _Input:
-        return cls(ref=StorageWeakRef(x.untyped_storage()), geometry=(x.storage_offset(), x.shape, x.stride(),
-                   x.dtype), width=width)  # fmt: skip
+        where = (x.storage_offset(), x.shape, x.stride(), x.dtype)
+        return cls(ref=StorageWeakRef(x.untyped_storage()), geometry=where, width=width)
 
     @staticmethod
     def flat(x: torch.Tensor, width: int | None) -> torch.Tensor:
         return x.detach().reshape(-1) if width is None else x.detach().reshape(-1, width)  # (N,) or (N, in)
 
     def get(self) -> torch.Tensor | None:
-        """The (N, in) input (or (N,) ids), or None when it was freed (the caller takes the re-run's). Called when
-        the gradient at the module's output arrives: the module's backward, which releases its saved input, has not
-        run yet."""
+        """The (N, in) input (or (N,) ids), or None when it was freed; called when the gradient at the module's
+        output arrives, before the module's backward runs and releases its saved input."""
         if self.held is not None:
             return self.held
         storage = None if self.ref.expired() else torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)
@@ -236,19 +235,17 @@ class GradientProbe:
     Positions: input position L - T - 1 + t belongs to the bin of response token t when mask[:, t], else to `context`,
     like every other position (prompt, padding, the last position). An activation shorter than L (``logits_to_keep``)
     covers the last positions. A tied weight (embedding = lm_head) is split over both of its uses; gradient
-    checkpointing, reentrant or not, counts each call once (tested).
+    checkpointing, reentrant or not, counts each call once (tested). Not supported: models that flatten (B, L)
+    before a Linear (MoE experts): a ValueError names the module.
 
-    Memory bound: the probe holds no layer input that the step's own backward does not hold. A module's input is
-    kept by weak reference (alive because the module's backward saved it); under gradient checkpointing, where
-    autograd frees it, the probe takes it from the layer's re-run inside the backward, which holds it anyway, and
-    drops it once that layer's weight gradient is split. Beyond that it keeps, for one parameter at a time, the
-    gradient at its module's outputs until its weight gradient arrives (within one layer's backward), and per group
-    one weight-sized matrix or one (N, N) Gram block (N positions of the micro-batch, at most 4096). While attached
-    it turns off checkpointing's early stop (``torch.utils.checkpoint.set_checkpoint_early_stop``) so that a re-run
-    reaches every probed module. tests/test_probe_memory.py measures the bound on a Qwen2.5-0.5B-shaped model. Not supported: models that flatten (B, L) before
-    a Linear (MoE experts): a ValueError names the module. Costs, measured in benchmarks/README.md: about 1.3x a plain
-    forward + backward on a 100M model on one CPU thread (1.15x with LoRA), a constant ~10 ms per backward on tiny
-    models.
+    Memory bound: no layer input beyond what the step's own backward holds (``_Input``): in a plain forward the one
+    autograd saves; under gradient checkpointing the one of the layer's re-run inside the backward, dropped once
+    that layer's weights are split (checkpointing's early stop is off while attached, so a re-run reaches every
+    probed module). Beyond that, a module's output gradient until its weight gradient arrives (one layer's
+    backward), and per split one weight-sized matrix per group or one (N, N) Gram block (N <= 4096 positions).
+    tests/test_probe_memory.py measures it on a Qwen2.5-0.5B shape. Costs, measured in benchmarks/README.md: about
+    1.3x a plain forward + backward on a 100M model on one CPU thread (1.15x with LoRA), a constant ~10 ms per
+    backward on tiny models.
     """
 
     def __init__(

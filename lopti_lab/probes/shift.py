@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import math
-import types
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +20,8 @@ from lopti_lab.probes._common import (
     _named_trainable,
     _response_logp,
 )
+from lopti_lab.probes.float64 import float64_response_logprobs
+from lopti_lab.probes.float64 import in_float64 as in_float64  # its old home: tests import it from here
 from lopti_lab.probes.loss_attribution import _or_zeros
 from lopti_lab.rollout import response_logprobs
 
@@ -164,37 +164,6 @@ def probability_shift(
     return ProbabilityShift(delta_p=delta_p, tokens=tokens, bins=shift_summary(tokens, edges))
 
 
-def _rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """An RMSNorm in the input's own dtype (HF's Qwen2/Llama norms compute in float32 whatever the input is)."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-@contextmanager
-def in_float64(model: nn.Module) -> Iterator[nn.Module]:
-    """Run ``model`` in float64 inside the block, then give every parameter and buffer back its own dtype.
-
-    float32 -> float64 -> float32 (and bf16 -> float64 -> bf16) round-trips bit for bit, so the weights, and an
-    optimizer holding them, are exactly as before. RMSNorm modules (those with a ``variance_epsilon``, as in Qwen2,
-    Llama and Mistral), which transformers computes in float32 even for float64 inputs, run in float64 too inside
-    the block. For measurements only: about 2x a float32 forward on a CPU. Take every gradient before entering it: a
-    dtype change gives each weight a new gradient accumulator, so a graph built before the block finds no weight
-    (``autograd.grad`` returns None for all of them)."""
-    saved = {id(t): (t, t.dtype) for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}
-    norms = [m for m in model.modules() if hasattr(m, "variance_epsilon") and isinstance(m.weight, torch.Tensor)]
-    for t, _ in saved.values():
-        t.data = t.data.double()
-    for m in norms:
-        m.forward = types.MethodType(_rms_norm_float64, m)
-    try:
-        yield model
-    finally:
-        for m in norms:
-            del m.forward  # back to the class's own forward
-        for t, dtype in saved.values():
-            t.data = t.data.to(dtype)
-
-
 def float64_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -207,16 +176,16 @@ def float64_logprobs(
     in eval mode: what a probability-shift measurement should compare. The rows go by response length,
     ``batch_size`` (default ``_LENGTH_CHUNK``) at a time, each chunk forwarded with only its own padding. Its rounding
     error is ~1e-15 where a float32 forward's is ~1e-6, below the log-prob moves of one small update (1e-5 to 1e-8
-    on tokens near p = 1)."""
+    on tokens near p = 1). Memory: ``probes.float64``'s bound (one module's weights in float64 at a time, the head
+    in vocabulary chunks), never the whole model in float64."""
     mask = _check_mask(response_mask)
     was_training = model.training
     model.eval()
     try:
-        with in_float64(model), torch.inference_mode():
-            logp = _logp(model, input_ids, attention_mask, mask, None, temperature, batch_size or _LENGTH_CHUNK)
+        logp = _logp(model, input_ids, attention_mask, mask, None, temperature, batch_size or _LENGTH_CHUNK, exact=True)
     finally:
         model.train(was_training)
-    return logp.clone()  # (B, T), out of inference mode
+    return logp  # (B, T)
 
 
 _LENGTH_CHUNK = 8
@@ -225,21 +194,27 @@ forwarded with only its own padding (notebook 02's selective sweep, 24 rows of 1
 against 36 s with the whole batch in one forward; one run each, noisy)."""
 
 
-def _logp(model, input_ids, attention_mask, mask, position_ids, temperature: float, rows: int = _LENGTH_CHUNK):
-    """(B, T) response log-probs, 0 off the mask, for the gradient's forward and the float64 measurement forwards.
-    With the default positions: the rows by response length, ``rows`` at a time, through
-    ``rollout.response_logprobs``, the trainer's own forward (each chunk's shared padding cut, a group's prompt
-    computed once on the lean path). On notebook 02's batch of 24 rows that forward alone (before the chunks) was
-    2.7x faster in float64 and 2.1x with its graph in float32 than the model's forward over the padded batch; it
-    equals that forward to 1e-14 in float64, and its gradient to about 1e-8 relative (HF's RMSNorm rounds to
-    float32). With given ``position_ids``: the model's own forward over the whole batch."""
+def _logp(model, input_ids, attention_mask, mask, position_ids, temperature: float, rows: int = _LENGTH_CHUNK,
+          exact: bool = False):  # fmt: skip
+    """(B, T) response log-probs, 0 off the mask, for the gradient's forward and (``exact``: no grad, float64,
+    ``float64_response_logprobs``) the measurement forwards. With the default positions: the rows by response
+    length, ``rows`` at a time, through ``rollout.response_logprobs``, the trainer's own forward (each chunk's shared
+    padding cut, a group's prompt computed once on the lean path). On notebook 02's batch of 24 rows that forward
+    alone (before the chunks) was 2.7x faster in float64 and 2.1x with its graph in float32 than the model's forward
+    over the padded batch; it equals that forward to 1e-14 in float64, and its gradient to about 1e-8 relative (HF's
+    RMSNorm rounds to float32). With given ``position_ids``: the model's own forward over the whole batch."""
     if position_ids is not None:
+        if exact:
+            return float64_response_logprobs(model, input_ids, attention_mask, mask, temperature,
+                                             position_ids=position_ids)  # fmt: skip
         return _response_logp(model, input_ids, attention_mask, mask.shape[1], position_ids, temperature) * mask
+
+    def forward(chunk):
+        args = (model, input_ids[chunk], attention_mask[chunk], mask[chunk], temperature)
+        return float64_response_logprobs(*args) if exact else response_logprobs(*args)[0]
+
     order = mask.sum(1).argsort(stable=True)  # (B,): rows by response length, so each chunk cuts its own padding
-    parts = [
-        response_logprobs(model, input_ids[chunk], attention_mask[chunk], mask[chunk], temperature)[0]
-        for chunk in order.split(rows)
-    ]  # each (b, T)
+    parts = [forward(chunk) for chunk in order.split(rows)]  # each (b, T)
     return torch.cat(parts)[order.argsort()]  # (B, T) in the batch's order
 
 
@@ -267,7 +242,7 @@ def selective_update(
     """One SGD step on the policy-gradient loss of the tokens of `update_bins` only, then every token's probability
     change, with the model's weights restored exactly afterwards (the paper's Fig. 1c: all bins; e: only bin 0;
     f: only the top bin; SGD with lr 1e-3 as there). The shift is measured from float64 forwards before and after the
-    step (``in_float64``), so the top bin's small moves are seen, not rounded away.
+    step (``float64_logprobs``'s forwards), so the top bin's small moves are seen, not rounded away.
 
     ``optimizer="adamw"`` takes AdamW's first step instead (fresh state, no weight decay): with bias correction its
     moments are g and g^2, so each weight moves by lr * g / (|g| + adam_eps), sign-like where adam_eps << |g|. Unlike
@@ -338,17 +313,15 @@ def selective_updates(
             steps.append((chosen, in_update, grad_norm, grads))
         del logp
         # the shift is measured in float64 forwards before and after each step (probability_shift); only once every
-        # gradient is taken: in_float64 swaps the weights' storage, which the graph above must not see
-        with torch.no_grad(), in_float64(model):
-            old_logp = _logp(model, input_ids, attention_mask, mask, position_ids, temperature)
+        # gradient is taken: the float64 forward swaps the weights' storage, which the graph above must not see
+        old_logp = _logp(model, input_ids, attention_mask, mask, position_ids, temperature, exact=True)
         saved = [p.detach().clone() for p in params]
         for chosen, in_update, grad_norm, grads in steps:
             try:
                 with torch.no_grad():
                     for p, g in zip(params, grads):
                         p.add_(g, alpha=-lr)
-                    with in_float64(model):
-                        new_logp = _logp(model, input_ids, attention_mask, mask, position_ids, temperature)
+                new_logp = _logp(model, input_ids, attention_mask, mask, position_ids, temperature, exact=True)
             finally:
                 with torch.no_grad():
                     for p, s in zip(params, saved):

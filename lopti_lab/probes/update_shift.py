@@ -19,23 +19,25 @@ Metric keys: ``fig3/{precision}/{binning}/{stat}_bin{i}`` with binning "q" (quar
 (deciles, ``bins.DECILES``), and ``fig3/{binning}/n_bin{i}`` the bin's A > 0 token count. Only rows with a positive
 advantage are forwarded (at most ``TrainConfig.shift_rows`` of them), so the measurement costs four forwards of those
 rows: two float64 (2.5x a float32 forward on a CPU) and two bf16 (about half a float32 forward, with
-``Bf16ByFloat32``).
+``Bf16ByFloat32``). Each holds one module's weights in float64 (or bf16) at a time and runs the lm_head over the kept
+response tokens in vocabulary chunks (``probes.float64``): no whole-model cast, no (k, T, V) logits; its peak stays
+under a training micro-step's on the same rows (tests/test_float64_memory.py).
 
 Shape legend: k rows with A > 0, T response tokens.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lopti_lab.bins import DECILES, DEFAULT_BINS, bin_index
-from lopti_lab.probes.shift import in_float64
+from lopti_lab.probes.float64 import float64_response_logprobs, stream_unsupported, streamed_logprobs
 from lopti_lab.rollout import response_logprobs
 
 __all__ = ["BINNINGS", "PRECISIONS", "Bf16ByFloat32", "fig3_metrics", "positive_rows", "update_logprobs"]
@@ -93,24 +95,34 @@ def update_logprobs(
     temperature: float,
     fast_path: str = "auto",
 ) -> dict[str, torch.Tensor]:
-    """{precision: (k, T) log-probs of the rows' response tokens} under the model as it is now, no grad, eval mode."""
+    """{precision: (k, T) log-probs of the rows' response tokens} under the model as it is now, no grad, eval mode.
+
+    Both forwards are ``rollout.response_logprobs``'s body with the lm_head streamed over the kept response tokens
+    in vocabulary chunks (``probes.float64``): the float64 one holds one module's weights in float64 at a time
+    (``float64_response_logprobs``), the bf16 one computes each chunk's logits under the autocast, so neither a
+    (k, T, V) logits tensor nor a cast copy of the whole lm_head ever exists."""
     was_training = model.training
     model.eval()
     out = {}
     device = next(model.parameters()).device.type
     try:
-        with in_float64(model), torch.inference_mode():
-            out["float64"] = response_logprobs(
-                model, input_ids, attention_mask, response_mask, temperature, fast_path=fast_path
-            )[0]
-        with torch.inference_mode(), torch.autocast(device, dtype=torch.bfloat16):
-            with Bf16ByFloat32() if device == "cpu" else contextlib.nullcontext():
-                logp = response_logprobs(model, input_ids, attention_mask, response_mask, temperature,
-                                         fast_path=fast_path)  # fmt: skip
-            out["bfloat16"] = logp[0].float()
+        out["float64"] = float64_response_logprobs(model, input_ids, attention_mask, response_mask, temperature,
+                                                   fast_path)  # fmt: skip
+        with torch.autocast(device, dtype=torch.bfloat16), Bf16ByFloat32() if device == "cpu" else nullcontext():
+            out["bfloat16"] = _bf16_logprobs(model, input_ids, attention_mask, response_mask, temperature, fast_path)
     finally:
         model.train(was_training)
-    return {k: v.clone() for k, v in out.items()}  # out of inference mode
+    return out
+
+
+def _bf16_logprobs(model, input_ids, attention_mask, response_mask, temperature: float, fast_path: str):
+    """(k, T) float32 log-probs of a bf16 autocast forward (the ambient autocast), the head streamed where the
+    model allows it (``stream_unsupported``), else ``rollout.response_logprobs`` whole."""
+    if stream_unsupported(model) is None:
+        return streamed_logprobs(model, input_ids, attention_mask, response_mask, temperature, fast_path)
+    with torch.inference_mode():
+        logp = response_logprobs(model, input_ids, attention_mask, response_mask, temperature, fast_path=fast_path)
+    return logp[0].float().clone()  # out of inference mode
 
 
 def fig3_metrics(

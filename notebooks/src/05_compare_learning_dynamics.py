@@ -18,13 +18,13 @@ if "google.colab" in sys.modules:  # on Colab: install lopti_lab's wheel and tur
 
     from google.colab import output
 
-    # lopti_lab is not on PyPI: upload the wheel that `pip wheel --no-deps -w dist .` builds in a checkout to Colab's
-    # Files panel (README, "Colab"), or, where you host a copy of the repository, %pip install "lopti-lab @ git+<URL>"
-    wheels = sorted(Path.cwd().glob("lopti_lab-*.whl"))
+    # lopti_lab is not on PyPI: build its wheel in a checkout (`pip wheel --no-deps -w dist .`) and upload it to
+    # Colab's Files panel, or beside this notebook into dist/ (README, "Colab"); the newest one found is installed
+    wheels = sorted([*Path.cwd().glob("lopti_lab-*.whl"), *Path.cwd().glob("dist/lopti_lab-*.whl")],
+                    key=lambda path: path.stat().st_mtime)  # fmt: skip
     if not wheels:
-        raise FileNotFoundError(f"no lopti_lab-*.whl in {Path.cwd()}: upload it first (see the comment above)")
-    wheel = wheels[-1]
-    %pip install -q {wheel}
+        raise FileNotFoundError(f"no lopti_lab-*.whl in {Path.cwd()} or its dist/: upload one (see the comment above)")
+    %pip install -q "{wheels[-1]}"
 
     output.enable_custom_widget_manager()
 
