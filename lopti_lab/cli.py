@@ -251,6 +251,8 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", dest="_gpu", default="t4", choices=list(GPUS), help="the GPU to plan for (default t4)")
     p.add_argument("--matrix", dest="_matrix", action="store_true", help="the peaks of Qwen2.5 0.5B-7B on a "
                    "T4, A100-40 and H100 at the notebook's and the paper's settings, not one table")  # fmt: skip
+    p.add_argument("--defaults", dest="_defaults", action="store_true", help="what the notebooks choose on each "
+                   "GPU (model, precision, batch sizes, probe cadence), as a markdown table")  # fmt: skip
 
 
 EXTRA_OPTIONS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
@@ -415,6 +417,11 @@ def run_plan(config, args) -> int:
     from lopti_lab import plan
 
     with pd.option_context("display.width", 200, "display.max_colwidth", 80, "display.max_columns", 10):
+        if args._defaults:
+            from lopti_lab.notebook import gpu_defaults_markdown
+
+            print(gpu_defaults_markdown())
+            return 0
         if args._matrix:
             print(plan.plan_matrix(_plan_settings(), [f"Qwen/Qwen2.5-{n}-Instruct" for n in ("0.5B", "1.5B", "3B",
                   "7B")], ["t4", "a100-40", "h100"]).to_string(index=False))  # fmt: skip

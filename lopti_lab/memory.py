@@ -9,8 +9,9 @@ On a GPU this is ``torch.cuda``'s allocator count (``max_memory_allocated``): te
 the process's resident set: the kernel's high-water mark (``VmHWM``, reset on entry through ``/proc/self/clear_refs``)
 against the resident size on entry. glibc would keep freed blocks of up to 32 MB in its heap and let the peak drift
 from run to run, so on entry the mmap threshold is pinned at 64 KiB (``mallopt``): every tensor larger than that
-gets pages of its own, mapped when allocated and returned when freed, and the resident set follows the live tensors
-to within the allocator's small-block heap (a few MB). A measurement on a CPU therefore counts Python objects and
+gets pages of its own, mapped when allocated and returned when freed, and the heap's free pages are handed back
+(``malloc_trim``), so the resident set follows the live tensors to within the allocator's small-block heap (a few
+MB). A measurement on a CPU therefore counts Python objects and
 library buffers too; compare two steps measured the same way, not one step against a GPU's number.
 """
 
@@ -66,7 +67,9 @@ class PeakMemory:
             return self
         if not cpu_peak_supported():
             raise RuntimeError("PeakMemory on a CPU needs Linux (/proc/self/status, clear_refs) and glibc")
-        _libc().mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        libc = _libc()
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        libc.malloc_trim(0)  # free heap pages back to the kernel: a block's allocations must fault in pages of its own
         _CLEAR_REFS.write_text("5")  # resets VmHWM to the current resident size
         self.start = _status_bytes("VmRSS")
         return self

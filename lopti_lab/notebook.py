@@ -17,7 +17,16 @@ from lopti_lab.demo.config import DemoConfig, HardLabConfig, demo_train
 from lopti_lab.models import prompt_style_of
 from lopti_lab.train_config import TrainConfig
 
-__all__ = ["GPU_MODELS", "Environment", "gpu_defaults", "lab_regimes", "setup", "training_defaults"]
+__all__ = [
+    "GPU_MODELS",
+    "Environment",
+    "gpu_defaults",
+    "gpu_defaults_markdown",
+    "gpu_defaults_table",
+    "lab_regimes",
+    "setup",
+    "training_defaults",
+]
 
 GPU_MODELS = ("Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct")
 """The policies ``setup`` picks from on a GPU, first choice first: 3B is the paper's smallest model that learns K&K;
@@ -126,6 +135,30 @@ def gpu_defaults(gpu: plan.GPU, model: str | None = None) -> tuple[str, TrainCon
                 return name, cfg, note
     raise ValueError(f"model: no LoRA step of {model or ' / '.join(GPU_MODELS)} fits the {gpu.label} "
                      f"({gpu.usable / plan.GiB:.1f} GiB usable; lopti-lab plan shows why)")  # fmt: skip
+
+
+def gpu_defaults_table():
+    """What ``setup`` and ``training_defaults`` choose on each GPU of ``plan.GPUS`` (a DataFrame; docs/gpu.md
+    quotes it, ``lopti-lab plan --defaults`` prints it)."""
+    import pandas as pd
+
+    rows = []
+    for gpu in plan.GPUS.values():
+        model, cfg, _ = gpu_defaults(gpu)
+        peak = plan.estimate(cfg, plan.model_config(model), gpu)
+        row = {"GPU": f"{gpu.label} ({gpu.usable / plan.GiB:.1f} GiB usable)", "model": model}
+        row |= {"precision": _precision(gpu).split(" (")[0], "micro-batch": cfg.micro_batch_size}
+        row |= {"generation batch": cfg.generate_batch_size, "probe every": cfg.probe_every or "off"}
+        rows.append(row | {"planned peak (GiB)": round(peak.peak / plan.GiB, 1), "largest phase": peak.peak_phase})
+    return pd.DataFrame(rows)
+
+
+def gpu_defaults_markdown() -> str:
+    """``gpu_defaults_table`` as a markdown table (docs/gpu.md)."""
+    table = gpu_defaults_table()
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines)
 
 
 def training_defaults(env: Environment, steps: int | None = None):

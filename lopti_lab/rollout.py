@@ -26,7 +26,17 @@ from lopti_lab.fast.decode import lean_generate
 from lopti_lab.fast.forward import causal_lm, lean_unsupported, shared_prompt_logits
 from lopti_lab.objective import token_logprobs
 
-__all__ = ["FAST_PATHS", "Rollout", "add_logprobs", "response_logprobs", "sample", "stop_token_ids", "use_lean"]
+__all__ = [
+    "FAST_PATHS",
+    "Rollout",
+    "add_logprobs",
+    "kept_columns",
+    "response_logprobs",
+    "sample",
+    "shared_prompt_forward",
+    "stop_token_ids",
+    "use_lean",
+]
 
 
 @dataclass
@@ -120,16 +130,10 @@ def response_logprobs(
     zero on padding.
     """
     total_t = response_mask.shape[1]
-    n_prompt = input_ids.shape[1] - total_t
-    first = attention_mask[:, :n_prompt].any(0).int().argmax()  # first column some prompt uses
-    columns = torch.arange(1, total_t + 1, device=response_mask.device)  # (T,)
-    longest = torch.where(response_mask.any(0), columns, 0).max().clamp(min=1)  # longest response in this batch
-    start, t = torch.stack([first, longest]).tolist()  # the slice's bounds: one host sync, not three
-    ids = input_ids[:, start : n_prompt + t]  # (B, L')
-    mask = attention_mask[:, start : n_prompt + t]  # (B, L')
+    ids, mask, n_prompt, t = kept_columns(input_ids, attention_mask, response_mask)  # (B, L') each
     if before_forward is None and use_lean(model, fast_path):
         lengths = response_mask.sum(1).long()  # (B,)
-        logits = _shared_prompt_forward(model, ids, mask, n_prompt - start, lengths)  # (B, t, V)
+        logits = shared_prompt_forward(model, ids, mask, n_prompt, lengths)  # (B, t, V)
         logp, entropy = token_logprobs(logits, ids[:, -t:], temperature, with_entropy)  # (B, t)
     else:
         if before_forward is not None:
@@ -147,7 +151,22 @@ def response_logprobs(
     return logp, entropy
 
 
-def _shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, n_prompt: int, lengths) -> torch.Tensor:
+def kept_columns(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor):
+    """The columns a response forward needs: from the first column some prompt uses to the end of the longest
+    response. Returns ids, mask (B, L'), the prompt length in them and t, the kept response columns; one host sync.
+
+    Example: prompts left-padded to 5 of which every row leaves the first 2 empty, responses padded to 6 of which
+    the longest has 4 -> columns 2 .. 5 + 4, prompt length 3, t = 4."""
+    total_t = response_mask.shape[1]
+    n_prompt = input_ids.shape[1] - total_t
+    first = attention_mask[:, :n_prompt].any(0).int().argmax()  # first column some prompt uses
+    columns = torch.arange(1, total_t + 1, device=response_mask.device)  # (T,)
+    longest = torch.where(response_mask.bool().any(0), columns, 0).max().clamp(min=1)  # longest response here
+    start, t = torch.stack([first, longest]).tolist()  # the slice's bounds: one host sync, not three
+    return input_ids[:, start : n_prompt + t], attention_mask[:, start : n_prompt + t], n_prompt - start, t
+
+
+def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, n_prompt: int, lengths) -> torch.Tensor:
     """Logits (B, t, V) predicting the response columns of ids (B, n_prompt + t), each distinct prompt (its ids and
     padding) computed once; lengths (B,): the real response tokens of each row."""
     prompt_ids, prompt_mask = ids[:, :n_prompt], mask[:, :n_prompt]  # (B, P)

@@ -4,7 +4,10 @@ Qwen2.5 configs."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,7 +93,7 @@ def _lora(model, shape: Shape):
     from peft import LoraConfig, get_peft_model
 
     if shape.checkpointing:  # as models.load_policy enables it
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     targets = list(TrainConfig().lora_targets)
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM")).train()
 
@@ -218,3 +221,15 @@ def test_the_trainer_refuses_a_config_that_will_not_fit_before_any_weight_loads(
     fitted = plan.fit_to_device(replace(cfg, micro_batch_size=None, generate_batch_size=None), torch.device("cuda"))
     assert plan.estimate(fitted, plan.model_config(cfg.model), "t4").peak <= plan.GPUS["t4"].usable
     assert plan.fit_to_device(cfg, torch.device("cpu")) is cfg  # a CPU is not planned for
+
+
+def test_docs_gpu_quotes_the_planner_as_it_is_now():
+    """docs/gpu.md's tables are what `lopti-lab plan --defaults` and `--matrix` print today."""
+    from lopti_lab.cli import main
+    from lopti_lab.notebook import gpu_defaults_markdown
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "gpu.md").read_text()
+    assert gpu_defaults_markdown() in page
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["plan", "--matrix"]) == 0
+    assert out.getvalue().rstrip() in page

@@ -45,7 +45,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
 from lopti_lab.fast.forward import causal_lm
 from lopti_lab.probes._common import _response_logp
-from lopti_lab.rollout import _shared_prompt_forward, response_logprobs, use_lean
+from lopti_lab.rollout import kept_columns, response_logprobs, shared_prompt_forward, use_lean
 
 __all__ = [
     "TOKEN_CHUNK",
@@ -238,18 +238,6 @@ def streamed_head_logprobs(
     return torch.cat(out) if out else hidden.new_zeros(0)  # (n,)
 
 
-def _kept_columns(input_ids, attention_mask, response_mask):
-    """The columns ``rollout.response_logprobs`` forwards: from the first column a prompt uses to the end of the
-    longest response. Returns ids, mask (B, L), the prompt length in them and t, the kept response columns."""
-    total_t = response_mask.shape[1]
-    n_prompt = input_ids.shape[1] - total_t
-    first = attention_mask[:, :n_prompt].any(0).int().argmax()  # first column some prompt uses
-    columns = torch.arange(1, total_t + 1, device=response_mask.device)  # (T,)
-    longest = torch.where(response_mask.bool().any(0), columns, 0).max().clamp(min=1)  # longest response here
-    start, t = torch.stack([first, longest]).tolist()  # one host sync
-    return input_ids[:, start : n_prompt + t], attention_mask[:, start : n_prompt + t], n_prompt - start, t
-
-
 def streamed_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -274,10 +262,10 @@ def streamed_logprobs(
                              use_cache=False)  # fmt: skip
             hidden, targets = out.last_hidden_state[:, -(t + 1) : -1], input_ids[:, -t:]  # (B, t, E), (B, t)
         else:
-            ids, mask, n_prompt, t = _kept_columns(input_ids, attention_mask, response_mask)
+            ids, mask, n_prompt, t = kept_columns(input_ids, attention_mask, response_mask)
             if use_lean(model, fast_path):
                 lengths = response_mask.sum(1).long()  # (B,)
-                hidden = _shared_prompt_forward(model, ids, mask, n_prompt, lengths)  # (B, t, E): the head is off
+                hidden = shared_prompt_forward(model, ids, mask, n_prompt, lengths)  # (B, t, E): the head is off
             else:
                 positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
                 out = base.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
