@@ -1,63 +1,41 @@
-"""Peak memory of a block of work, on a GPU or on a CPU, so that memory bounds can be tested where no GPU is at hand.
+"""Peak tensor memory of a block of work, on a GPU or on a CPU, so that memory bounds can be tested where no GPU is
+at hand.
 
     with PeakMemory(device) as peak:
         step()
-    peak.bytes        # the highest memory in use during the block, above what was in use when it began
-    peak.total        # the same peak, counting what was in use when it began (weights, optimizer state, ...)
+    peak.bytes        # the most tensor memory allocated inside the block and alive at once (above its start)
+    peak.total        # on a GPU: the same peak counting what was allocated before the block (weights, ...)
 
-On a GPU this is ``torch.cuda``'s allocator count (``max_memory_allocated``): tensors only. On a CPU (Linux) it is
-the process's resident set: the kernel's high-water mark (``VmHWM``, reset on entry through ``/proc/self/clear_refs``)
-against the resident size on entry. glibc would keep freed blocks of up to 32 MB in its heap and let the peak drift
-from run to run, so on entry the mmap threshold is pinned at 64 KiB (``mallopt``): every tensor larger than that
-gets pages of its own, mapped when allocated and returned when freed, and the heap's free pages are handed back
-(``malloc_trim``), so the resident set follows the live tensors to within the allocator's small-block heap (a few
-MB). A measurement on a CPU therefore counts Python objects and
-library buffers too; compare two steps measured the same way, not one step against a GPU's number.
+On a GPU this is ``torch.cuda``'s allocator count (``max_memory_allocated``). On a CPU it is the same quantity taken
+from torch's profiler (``profile_memory``: the allocation records its memory timeline is built from): every
+allocation and free inside the block, in time order, whose running sum's maximum is the peak. That counts tensors
+only, exactly and the same on every run, as a GPU's allocator does; the process's resident set would not do (a
+24-layer checkpointed step's resident high-water mark climbed ~40 MB a layer where its live tensors grew 4 MB a
+layer: the heap keeps freed pages). A CPU block's ``total`` is its ``bytes``: what was alive before it is not
+counted. The profiler slows the block down: measure, then time apart.
 """
 
 from __future__ import annotations
-
-import ctypes
-import re
-import sys
-from pathlib import Path
 
 import torch
 
 __all__ = ["PeakMemory", "cpu_peak_supported"]
 
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-_MMAP_THRESHOLD = 1 << 16
-
 
 def cpu_peak_supported() -> bool:
-    """Whether this machine can measure a CPU peak: Linux with /proc and glibc."""
-    return sys.platform.startswith("linux") and _STATUS.is_file() and _CLEAR_REFS.exists() and _libc() is not None
-
-
-def _libc():
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def _status_bytes(key: str) -> int:
-    match = re.search(rf"^{key}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"{_STATUS} has no {key} line")
-    return int(match.group(1)) * 1024
+    """Whether this torch build can count CPU tensor memory (its profiler with ``profile_memory``)."""
+    return hasattr(torch.profiler, "profile")
 
 
 class PeakMemory:
-    """Context manager: the peak memory in use inside the block (module docstring). ``bytes`` above the entry level,
-    ``total`` including it, ``start`` the entry level; all ints, set when the block ends."""
+    """Context manager: the peak tensor memory in use inside the block (module docstring). ``bytes`` above the
+    entry level, ``total`` including it (a GPU only; equal to ``bytes`` on a CPU), ``start`` the entry level (0 on a
+    CPU); all ints, set when the block ends."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.start = self.total = self.bytes = 0
+        self._profile = None
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
@@ -65,19 +43,38 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = torch.cuda.memory_allocated(self.device)
             return self
-        if not cpu_peak_supported():
-            raise RuntimeError("PeakMemory on a CPU needs Linux (/proc/self/status, clear_refs) and glibc")
-        libc = _libc()
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-        libc.malloc_trim(0)  # free heap pages back to the kernel: a block's allocations must fault in pages of its own
-        _CLEAR_REFS.write_text("5")  # resets VmHWM to the current resident size
-        self.start = _status_bytes("VmRSS")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        self._profile = torch.profiler.profile(activities=activities, profile_memory=True)
+        self._profile.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.total = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self.total = _status_bytes("VmHWM")
-        self.bytes = max(self.total - self.start, 0)
+            self.bytes = max(self.total - self.start, 0)
+            return
+        self._profile.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        # every allocation and free the block made (the records the memory profiler builds on), in time order:
+        # their running sum is the live tensor bytes; a tensor made before the block and freed inside it subtracts
+        live = peak = 0
+        for _, size in sorted(_allocations(self._profile.profiler.kineto_results.experimental_event_tree())):
+            live += size
+            peak = max(peak, live)
+        self.bytes = self.total = int(peak)
+        self._profile = None
+
+
+def _allocations(events) -> list[tuple[int, int]]:
+    """(time in ns, bytes: + allocated, - freed) of every CPU allocation event in a profiler's event tree."""
+    from torch._C._profiler import _EventType
+
+    found, stack = [], list(events)
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            found.append((event.start_time_ns, event.extra_fields.alloc_size))
+        stack.extend(event.children)
+    return found

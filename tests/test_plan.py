@@ -119,7 +119,7 @@ def measured_and_estimated(shape: Shape) -> dict[str, tuple[int, int]]:
 @pytest.fixture(scope="module", params=list(SHAPES))
 def measured(request):
     if not cpu_peak_supported():
-        pytest.skip("needs Linux /proc and glibc to measure a CPU peak")
+        pytest.skip("needs torch's memory profiler to measure a CPU peak")
     return request.param, measured_and_estimated(SHAPES[request.param])
 
 

@@ -17,7 +17,7 @@ from lopti_lab.memory import PeakMemory, cpu_peak_supported
 from lopti_lab.probes import GradientProbe
 from lopti_lab.rollout import response_logprobs
 
-pytestmark = pytest.mark.skipif(not cpu_peak_supported(), reason="CPU peak memory needs Linux /proc and glibc")
+pytestmark = pytest.mark.skipif(not cpu_peak_supported(), reason="CPU peak memory needs torch's memory profiler")
 
 QWEN_0P5B = dict(
     hidden_size=896,
