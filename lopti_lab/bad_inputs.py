@@ -60,7 +60,10 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "lora_alpha": [("out of range", 0)],
         "lora_dropout": [("out of range", 1.0), ("out of range", -0.1)],
         "lora_targets": [("empty", ()), ("a string, not a list", "q_proj"), ("repeated", ("q_proj", "q_proj"))],
-        "dtype": [("unknown choice", "fp8")],
+        "dtype": [
+            ("unknown choice", "fp8"),
+            ("inconsistent: full fine-tuning in half precision", Combo({"lora_r": None, "dtype": "bfloat16"})),
+        ],
         "device": [("not a device", "tpu")],
         "gradient_checkpointing": [("a JSON string", "false")],
         "attn_implementation": [("unknown choice", "flash_attention_3")],

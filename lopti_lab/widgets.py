@@ -406,21 +406,24 @@ class TrainPanel(_Panel):
         _stop_on_kernel_interrupt(self._stop)
 
         def work():
+            message = "ended"
             try:
                 self.result = train(config, callbacks=[self._on_step], resume=resume)
                 last = self.result.history[-1]["step"] if self.result.history else 0
                 stopped = self.result.stopped or last < config.steps
-                self.status.value = f"{'stopped' if stopped else 'done'} after step {last}: {config.run_dir}"
+                message = f"{'stopped' if stopped else 'done'} after step {last}: {config.run_dir}"
             except Exception as err:  # shown in the panel and kept; the thread must not die silently
                 self.error = err
-                self.status.value = f"<b>error</b>: {type(err).__name__}: {err}"
+                message = f"<b>error</b>: {type(err).__name__}: {err}"
                 if not threaded:
                     raise
             finally:
+                # Stop off before the last word, so that a late click cannot leave "stopping ..." over it
+                self.stop_button.disabled = True
+                self.status.value = message
                 # a finished run keeps its TrainResult (the trained model); a failed one keeps only its error (a
                 # blocking run's caller gets the exception whole, its frames intact for a debugger)
                 _release(self.error if threaded else None)
-                self.stop_button.disabled = True
                 self._lock_settings(False)
                 self.run_button.disabled = False
 
@@ -433,7 +436,10 @@ class TrainPanel(_Panel):
         return self.result
 
     def stop(self) -> None:
-        """Ask the run to end after its current step."""
+        """Ask the run to end after its current step (a click that reaches the kernel after the run ended, from a
+        page that had not yet seen Stop disabled, does nothing)."""
+        if self.stop_button.disabled:
+            return
         self._stop.set()
         self.status.value = "stopping after this step ..."
 
