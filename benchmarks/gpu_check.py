@@ -67,21 +67,9 @@ def shape_of(name: str, smoke: bool) -> dict:
 
 def build(config: dict, dtype: torch.dtype, device: str, lora: bool = True, checkpointing: bool = True):
     """A random-weight Qwen2 of ``config``'s shapes on ``device`` in ``dtype``, with LoRA r 16 and checkpointing."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tiny import shaped_qwen2
 
-    torch.manual_seed(0)
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "vocab_size", "tie_word_embeddings", "rope_theta", "rms_norm_eps", "max_position_embeddings")  # fmt: skip
-    qwen = Qwen2Config(**{k: config[k] for k in keys if k in config}, attn_implementation="sdpa")
-    with torch.device(device):
-        model = Qwen2ForCausalLM(qwen).to(dtype)
-    if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if lora:
-        targets = list(models.DEFAULT_LORA_TARGETS)
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, task_type="CAUSAL_LM"))
-    return model
+    return shaped_qwen2(config, dtype, device, lora=lora, checkpointing=checkpointing)
 
 
 def device_phase(device: str) -> dict:

@@ -23,9 +23,10 @@ import time
 
 import pytest
 import torch
+from tiny import shaped_qwen2
 
 from lopti_lab.memory import PeakMemory, cpu_peak_supported
-from lopti_lab.models import DEFAULT_LORA_TARGETS
+from lopti_lab.plan import model_config
 from lopti_lab.probes import update_logprobs
 from lopti_lab.probes.float64 import in_float64
 from lopti_lab.probes.update_shift import Bf16ByFloat32
@@ -37,18 +38,7 @@ ROWS, PROMPT, RESPONSE = 2, 56, 200  # 2 rows of 256 tokens; the first row's res
 
 def qwen25_05b_shaped(layers: int = 4):
     """Qwen2.5-0.5B's shapes with ``layers`` decoder layers, random weights, LoRA r 16, gradient checkpointing."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(config)
-    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})  # as load_policy
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(DEFAULT_LORA_TARGETS))
-    return get_peft_model(base, lora).eval()
+    return shaped_qwen2(model_config("Qwen/Qwen2.5-0.5B-Instruct"), num_hidden_layers=layers).eval()
 
 
 def rows_of(model, rows: int = ROWS, prompt: int = PROMPT, response: int = RESPONSE):

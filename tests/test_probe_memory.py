@@ -11,38 +11,22 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny import shaped_qwen2
 
 from lopti_lab.memory import PeakMemory, cpu_peak_supported
+from lopti_lab.plan import model_config
 from lopti_lab.probes import GradientProbe
 from lopti_lab.rollout import response_logprobs
 
 pytestmark = pytest.mark.skipif(not cpu_peak_supported(), reason="CPU peak memory needs torch's memory profiler")
 
-QWEN_0P5B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=32768,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-)
+QWEN_0P5B = model_config("Qwen/Qwen2.5-0.5B-Instruct")  # the bundled shapes (data/hub_configs)
 PROMPT, RESPONSE, ROWS = 600, 16, 2
 
 
 def qwen_0p5b_lora(layers: int = 4) -> torch.nn.Module:
     """The 0.5B shape with LoRA r 16 on every projection and non-reentrant activation checkpointing, in train mode."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=layers, **QWEN_0P5B))
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
-    return get_peft_model(model, lora).train()
+    return shaped_qwen2(QWEN_0P5B, num_hidden_layers=layers).train()
 
 
 def batch(vocab: int):
@@ -89,9 +73,8 @@ def test_the_probe_keeps_every_checkpointed_layer_exact():
     split equals the one without checkpointing."""
     from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(0)
-    small = dict(QWEN_0P5B, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=300)
-    base = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **small)).double()
+    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=300, num_hidden_layers=2)
+    base = shaped_qwen2(QWEN_0P5B, lora=False, checkpointing=False, **small).double()
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], task_type="CAUSAL_LM")
     model = get_peft_model(base, lora).train()
     for p in model.parameters():  # LoRA B starts at zero: give the split something to see in every matrix

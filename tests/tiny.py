@@ -72,3 +72,29 @@ def tiny_qwen2(vocab_size: int, hidden: int = 32, layers: int = 2, seed: int = 0
     model = Qwen2ForCausalLM(config)
     model.eval()
     return model
+
+
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "vocab_size", "tie_word_embeddings", "rope_theta", "rms_norm_eps",
+               "max_position_embeddings")  # fmt: skip
+
+
+def shaped_qwen2(config: dict, dtype=torch.float32, device="cpu", lora: bool = True, checkpointing: bool = True,
+                 **overrides):  # fmt: skip
+    """A random-weight Qwen2 with a real model's shapes (a config.json dict, e.g. ``plan.model_config(hub_id)``;
+    ``overrides`` such as num_hidden_layers=4), on ``device`` in ``dtype``, with non-reentrant activation
+    checkpointing and a LoRA r 16 adapter on the seven projections, as ``models.load_policy`` sets them up."""
+    from peft import LoraConfig, get_peft_model
+
+    from lopti_lab.models import DEFAULT_LORA_TARGETS
+
+    torch.manual_seed(0)
+    shape = {k: v for k, v in {**config, **overrides}.items() if k in _SHAPE_KEYS}
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, attn_implementation="sdpa")).to(dtype)
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        targets = list(DEFAULT_LORA_TARGETS)
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, task_type="CAUSAL_LM"))
+    return model

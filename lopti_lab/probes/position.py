@@ -108,7 +108,6 @@ class _Use:
     g: torch.Tensor  # (N, out) gradient at the module's output
     layout: _Layout
     token_set: int
-    source: _Input | None = None  # where x comes from
     module: nn.Module | None = None  # the module called
 
     def add_group(self, k: int, out: torch.Tensor, acc: torch.dtype) -> None:
@@ -418,7 +417,7 @@ class GradientProbe:
         for role, p in self._probed_of[module]:
             # the input is taken now, before the module's backward runs and autograd releases what it saved
             x = None if role == "bias" else source.get()
-            use = _Use("bias" if role == "bias" else kind, x, g, layout, token_set, source, module)
+            use = _Use("bias" if role == "bias" else kind, x, g, layout, token_set, module)
             self._pending.setdefault(p, []).append(use)
 
     def _inputs(self, uses: list[_Use]) -> bool:
