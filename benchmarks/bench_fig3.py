@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from lopti_lab.demo.config import demo_train
+from lopti_lab.studies.config import demo_train
 from lopti_lab.kk import load_split
 from lopti_lab.methods import METHODS
 from lopti_lab.models import load_policy

@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/bench_step.py --threads 1 2 --steps 3  # thread settings
     .venv/bin/python benchmarks/bench_step.py --eval                   # the demo's test evaluation, with SEs
 
-The step is `trainer.train_step` at the demo's settings (`demo.config.DemoConfig`: 8 three-person puzzles x 8
+The step is `trainer.train_step` at the demo's settings (`studies.config.DemoConfig`: 8 three-person puzzles x 8
 samples, prompt style chat_quiz, max_new_tokens 200, T 0.7, minibatches of 32, full fine-tuning, GRPO, no probe),
 run with ``fast_path="hf"`` (HF generate, a log-prob forward, HF forwards in the update: the code before the lean
 path) and ``fast_path="lean"``, alternating step by step from identical weights on the same puzzles, one warm-up
@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lopti_lab.trainer as trainer
-from lopti_lab.demo.config import DemoConfig
+from lopti_lab.studies.config import DemoConfig
 from lopti_lab.kk import load_split
 from lopti_lab.models import load_policy
 

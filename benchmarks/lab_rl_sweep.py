@@ -1,6 +1,6 @@
 """GRPO settings on the lab model: several configurations trained side by side, each in its own process.
 
-Picks the demo's shared RL settings (`demo.config.DemoConfig`) on GRPO alone; AR and Lopti are never tuned here.
+Picks the demo's shared RL settings (`studies.config.DemoConfig`) on GRPO alone; AR and Lopti are never tuned here.
 Every configuration starts from the bundled lab model, trains on 3-person puzzles and is evaluated on the 3-person
 test puzzles (sampled at T = 1.0) every ``--eval-every`` steps, so learning curves can be compared at equal steps and,
 since each row logs its time, at equal seconds.
@@ -48,7 +48,7 @@ def sweep_config(name: str, seed: int, args: argparse.Namespace):
     overrides."""
     from dataclasses import replace
 
-    from lopti_lab.demo.config import DemoConfig
+    from lopti_lab.studies.config import DemoConfig
 
     demo_train = {"steps": args.steps, **({"model": args.model} if args.model else {})}  # changes to DEMO_TRAIN
     demo = DemoConfig(train=demo_train).train_config("GRPO", seed, Path(args.out) / f"{name}-seed{seed}")

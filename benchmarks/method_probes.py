@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from lopti_lab.counterfactual import frozen_batch, method_probes
-from lopti_lab.demo.config import DEMO_TRAIN
+from lopti_lab.studies.config import DEMO_TRAIN
 from lopti_lab.kk import load_split
 from lopti_lab.methods import METHODS
 from lopti_lab.models import load_policy

@@ -4,13 +4,13 @@ The package is layered, ground floor first (an import only points down; tests/te
 
     paths, checks, configs, durable, kk/     files, field checks, config helpers, durable writes, the K&K environment
     bins, methods, objective, theory         probability bins, the method registry, the RL objective, softmax facts
-    fast/, models, rollout                   loading a policy, sampling rollouts (the lean CPU decode)
+    lean/, models, rollout                   loading a policy, sampling rollouts (the lean CPU decode)
     probes/, toy                             gradient probes and probability shift; the toy policy
     train_config, evaluate, runs, resume     the config, test accuracy, run folders, resuming them
     trainer, counterfactual, pool            the GRPO loop; one frozen batch updated by each method; runs in workers
-    lab/, demo/, paper                       the lab model; the demo and its report; the paper's published numbers
+    lab/, studies/, paper                    the lab model; the demo, hard lab and mechanism studies; the paper's numbers
     plots, notebook, widgets, cli            figures, the notebooks' set-up, ipywidgets panels, the command line
-    integrations/, bad_inputs                TRL and verl adapters (objective and kk only); the bad-input table
+    integrations/                            TRL and verl adapters (objective and kk only)
 
 Importing the top-level package is cheap: submodules load torch only when imported.
 """

@@ -4,9 +4,10 @@
     lopti-lab train     train_config.TrainConfig      GRPO with AR (--ar ALPHA) and Lopti (--lopti ETA)
     lopti-lab eval      evaluate.EvalConfig           test accuracy of a model or a run
     lopti-lab pretrain  lab.pretrain.PretrainConfig   the lab model's warm start
-    lopti-lab demo      demo.config.DemoConfig        the four methods on the lab model, and a report
-    lopti-lab hardlab   demo.config.HardLabConfig     the four methods on the hard lab model (docs/hard_lab.md)
-    lopti-lab mechanism demo.mechanism.MechanismConfig  the paper's Fig. 1 and Fig. 3, as it measured them
+    lopti-lab demo      studies.config.DemoConfig     the four methods on the lab model, and a report
+    lopti-lab hardlab   studies.config.HardLabConfig  the four methods on the hard lab model (docs/hard_lab.md)
+    lopti-lab mechanism studies.mechanism.MechanismConfig
+                                                  the paper's Fig. 1 and Fig. 3, as it measured them
     lopti-lab plan      train_config.TrainConfig      a step's peak GPU memory and whether it fits (plan.py)
 
 Each builds its options the same way (``add_config_options``): one option per field, named after it (``--lora-r``),
@@ -37,7 +38,7 @@ from lopti_lab.runs import RunFolderError
 
 PER_RUN = ("seed", "run_dir", "progress", "ar_alpha", "lopti_eta", "lopti_order", "loss", "forking_rho",
            "entropy_adv_alpha")  # fmt: skip
-"""A study's TrainConfig fields that each run sets itself (demo.config.PER_RUN, repeated here so that listing the
+"""A study's TrainConfig fields that each run sets itself (studies.config.PER_RUN, repeated here so that listing the
 commands imports no torch; tests/test_cli.py checks the two agree)."""
 
 __all__ = ["COMMANDS", "Command", "add_config_options", "build_parser", "main"]
@@ -68,7 +69,7 @@ class Command:
 
 
 def _study(name: str, help: str, config: str, *shared: str) -> Command:
-    """A study's command (``demo.config.StudyConfig``): its shared TrainConfig's fields become options, except those
+    """A study's command (``studies.config.StudyConfig``): its shared TrainConfig's fields become options, except those
     each run sets itself (``PER_RUN``) and the ``shared`` ones the study fixes."""
     skip = tuple(f"train.{field}" for field in (*PER_RUN, *shared))
     return Command(name, help, config, flatten=("train",), skip=skip)
@@ -98,17 +99,17 @@ COMMANDS: dict[str, Command] = {
         _study(
             "demo",
             "GRPO, +AR, +Lopti, +AR+Lopti on the lab model (CPU) and a report",
-            "lopti_lab.demo.config:DemoConfig",
+            "lopti_lab.studies.config:DemoConfig",
         ),
         _study(
             "hardlab",
             "the four methods on the hard lab model, 5 seeds x 60 steps, and a report (CPU, about 3 hours on 2 cores)",
-            "lopti_lab.demo.config:HardLabConfig",
+            "lopti_lab.studies.config:HardLabConfig",
         ),
         _study(
             "mechanism",
             "the paper's Fig. 1 and Fig. 3 measured as it measured them, under SGD and AdamW (CPU, <= 20 min)",
-            "lopti_lab.demo.mechanism:MechanismConfig",
+            "lopti_lab.studies.mechanism:MechanismConfig",
             "optimizer",
             "lr",
             "adam_eps",
@@ -395,7 +396,7 @@ def run_pretrain(config, args) -> int:
 
 
 def run_mechanism(config, args) -> int:
-    from lopti_lab.demo.mechanism import run_mechanism as mechanism
+    from lopti_lab.studies.mechanism import run_mechanism as mechanism
 
     report = mechanism(config)
     print(f"report: {report / 'report.md'}")
@@ -403,7 +404,7 @@ def run_mechanism(config, args) -> int:
 
 
 def run_demo(config, args) -> int:
-    from lopti_lab.demo.run import run_demo as demo
+    from lopti_lab.studies.run import run_demo as demo
 
     report = demo(config)
     print(f"report: {report / 'report.md'}")

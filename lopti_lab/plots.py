@@ -213,7 +213,7 @@ def fig2(
 
 
 def fig3(table: pd.DataFrame, binning: str = "q") -> Figure:
-    """The paper's Fig. 3 as measured during training (``demo.mechanism.fig3_table``): one panel per (precision,
+    """The paper's Fig. 3 as measured during training (``studies.mechanism.fig3_table``): one panel per (precision,
     optimizer setting), the correct ratio of positive-advantage tokens per probability bin for each method, mean and
     95% interval over seeds x steps; solid: among the tokens that moved, dashed: an unmoved token counted as not up.
     Drawn beside, the paper's values (``paper.FIG3_*``): AR and Lopti flat at 0.52-0.53 (band), GRPO about 0.53 in
@@ -452,7 +452,7 @@ def mechanism_over_steps(long: pd.DataFrame, sign: str = "pos", smooth: int = 1)
 def mechanism_by_step(table: pd.DataFrame, measures: dict[str, str], smooth: int = 1) -> Figure:
     """Per-bin measures over training, a line per method: one column per probability bin, one row per measure
     (``measures``: {column of ``table``: label}; a column whose name holds "correct" is a ratio, drawn with 0.5
-    dashed). ``table``: one row per (method, step, bin), as ``demo.report.mechanism_table`` writes mechanism.csv
+    dashed). ``table``: one row per (method, step, bin), as ``studies.report.mechanism_table`` writes mechanism.csv
     (token_share, grad_share, correct_ratio, fig3_correct)."""
     _require(table, "table", ["method", "step", "bin"])
     rows = [(c, label) for c, label in measures.items() if c in table.columns and not table[c].isna().all()]

@@ -1,6 +1,6 @@
 """The token-level methods side by side: where each method's update puts the gradient, by probability bin and by
 entropy bin, and how many A > 0 tokens it moves the right way (``counterfactual.method_probes``'s table), and how
-each method's accuracy differs from GRPO's, seed by seed (``demo.tables.paired_per_seed``).
+each method's accuracy differs from GRPO's, seed by seed (``studies.tables.paired_per_seed``).
 
 One heatmap per (binning, measure): a row per method in the table's order, a column per bin, the value in each cell
 (a reader compares rows, so the numbers are printed, not only coloured). Built on ``matplotlib.figure.Figure`` like
@@ -50,7 +50,7 @@ def method_probes(table: pd.DataFrame) -> Figure:
 def paired_differences(diffs: pd.DataFrame, intervals: pd.DataFrame) -> Figure:
     """A forest plot per column of the accuracy table (each people count, their average): a row per method, its
     difference to GRPO at each seed (dots), their mean and 95% interval (bar); the line at 0 is GRPO. ``diffs``:
-    ``demo.tables.paired_per_seed``'s rows; ``intervals``: ``demo.tables.paired_intervals`` of them."""
+    ``studies.tables.paired_per_seed``'s rows; ``intervals``: ``studies.tables.paired_intervals`` of them."""
     missing = {"model", "column", "seed", "diff"} - set(diffs.columns)
     missing |= {"model", "column", "mean", "ci95"} - set(intervals.columns)
     if missing or diffs.empty:
@@ -85,11 +85,11 @@ def study_curves(bands: pd.DataFrame, paired: pd.DataFrame | None = None, ylabel
     """A study's learning curves, one column of panels per people count (and their average). Top row: each method's
     test accuracy over the RL steps, the mean over seeds with its 95% interval as a band (the min-max over seeds
     where there is one seed). Bottom row (with ``paired``): each method minus GRPO at the same seed, per evaluated
-    step, the mean and its 95% interval band; the line at 0 is GRPO. ``bands``: ``demo.curves.seed_bands``;
-    ``paired``: ``demo.curves.paired_over_steps``."""
+    step, the mean and its 95% interval band; the line at 0 is GRPO. ``bands``: ``studies.curves.seed_bands``;
+    ``paired``: ``studies.curves.paired_over_steps``."""
     missing = {"model", "column", "step", "mean", "ci95", "low", "high"} - set(bands.columns)
     if missing or bands.empty:
-        raise ValueError(f"study_curves needs demo.curves.seed_bands rows (missing columns: {sorted(missing)})")
+        raise ValueError(f"study_curves needs studies.curves.seed_bands rows (missing columns: {sorted(missing)})")
     columns = list(dict.fromkeys(bands["column"]))
     models = list(dict.fromkeys(bands["model"]))
     rows = 2 if paired is not None and not paired.empty else 1

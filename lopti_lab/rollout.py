@@ -7,8 +7,8 @@ Layout of one row (the contract the trainer and the probes share): ``input_ids =
 L = P + T, the prompt left-padded to P, the response right-padded to T, so the response is always the LAST T
 positions and the logits at input position L - T - 1 + t predict response token t.
 
-Two paths compute the same thing (``fast_path``, FAST_PATHS): on a CPU a Qwen2 takes the lean path (fast/decode.py's
-loop, fast/forward.py's shared-prompt forward), anything else HF generate and forward.
+Two paths compute the same thing (``fast_path``, FAST_PATHS): on a CPU a Qwen2 takes the lean path (lean/decode.py's
+loop, lean/forward.py's shared-prompt forward), anything else HF generate and forward.
 
 Shape legend: B rows = prompts x G (a prompt's G completions are contiguous), P prompt tokens, T response tokens,
 V vocabulary.
@@ -22,8 +22,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from lopti_lab.fast.decode import lean_generate
-from lopti_lab.fast.forward import causal_lm, lean_unsupported, shared_prompt_logits
+from lopti_lab.lean.decode import lean_generate
+from lopti_lab.lean.forward import causal_lm, lean_unsupported, shared_prompt_logits
 from lopti_lab.objective import token_logprobs
 
 __all__ = [
@@ -88,7 +88,7 @@ def stop_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
 
 
 FAST_PATHS = ("auto", "lean", "hf")
-"""How a model is run: "auto" takes lopti_lab's lean Qwen2 path (fast/decode.py's loop, fast/forward.py's shared-prompt
+"""How a model is run: "auto" takes lopti_lab's lean Qwen2 path (lean/decode.py's loop, lean/forward.py's shared-prompt
 forward) wherever it applies (``fast.forward.lean_unsupported``: a Qwen2 on a CPU), HF generate / forward elsewhere;
 "lean" requires it (ValueError naming why not); "hf" is HF's generate and forward everywhere."""
 

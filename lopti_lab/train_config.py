@@ -288,7 +288,7 @@ def _validate(c: TrainConfig) -> None:
     Types before ranges (a string where a number belongs is refused by name, not left to fail as a TypeError deep in
     training), then combinations: a minibatch that does not divide the batch, a Lopti threshold that empties a stage
     by construction, an evaluation without a mode, people counts without data files. docs/bad_inputs.md is the table
-    of every field with the bad values tried and the error each gets (``python -m lopti_lab.bad_inputs``).
+    of every field with the bad values tried and the error each gets (``python tests/bad_input_table.py``).
     """
     check = FieldCheck(c)
     # --- model

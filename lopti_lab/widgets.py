@@ -33,7 +33,7 @@ import torch
 from IPython.display import display
 
 from lopti_lab import plan, plots, runs
-from lopti_lab.demo.mechanism import OPTIMIZER_SETTINGS, decomposition
+from lopti_lab.studies.mechanism import OPTIMIZER_SETTINGS, decomposition
 from lopti_lab.methods import ENTROPY_ADV_ALPHA, FORKING_RHO, METHODS, PAPER, method_label, run_name
 from lopti_lab.models import prompt_style_of
 from lopti_lab.notebook import Environment, setup, training_defaults
@@ -472,8 +472,8 @@ def _release(err: BaseException | None) -> None:
 
 class MechanismPanel(_Panel):
     """The paper's Fig. 3 under one optimizer setting at a time (a switch), from a mechanism study's table
-    (``demo.mechanism.fig3_source``), and, measured live on a frozen batch, why that optimizer moves the top bin's
-    tokens as it does (``demo.mechanism.decomposition``: the share of their move that comes from the other bins)."""
+    (``studies.mechanism.fig3_source``), and, measured live on a frozen batch, why that optimizer moves the top bin's
+    tokens as it does (``studies.mechanism.decomposition``: the share of their move that comes from the other bins)."""
 
     def __init__(self, table: pd.DataFrame, model, batch, optimizer: str = "sgd"):
         self.table, self.model, self.batch = table, model, batch

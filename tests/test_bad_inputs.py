@@ -5,9 +5,10 @@ import dataclasses
 import json
 from pathlib import Path
 
+import bad_input_table as bad_inputs
 import pytest
 
-from lopti_lab import bad_inputs, models, train_config, trainer
+from lopti_lab import models, train_config, trainer
 from lopti_lab.lab import model as lab_model
 from lopti_lab.lab import pretrain
 
@@ -37,7 +38,7 @@ def test_every_field_has_bad_values_of_its_own(owner):
     cls = bad_inputs.config_classes()[owner]
     names = [f.name for f in dataclasses.fields(cls)]
     missing = [n for n in names if not bad_inputs.CASES[owner].get(n)]
-    assert not missing, f"{owner} fields without bad-value cases in lopti_lab/bad_inputs.py: {missing}"
+    assert not missing, f"{owner} fields without bad-value cases in tests/bad_input_table.py: {missing}"
     stale = sorted(set(bad_inputs.CASES[owner]) - set(names))
     assert not stale, f"bad_inputs.CASES[{owner!r}] names fields that no longer exist: {stale}"
 
@@ -63,7 +64,7 @@ def test_every_bad_input_is_refused_by_name(rows):
 
 def test_committed_table_is_current(rows):
     assert DOC.read_text(encoding="utf-8") == bad_inputs.markdown(rows), (
-        "docs/bad_inputs.md is stale: run `python -m lopti_lab.bad_inputs --write docs/bad_inputs.md`"
+        "docs/bad_inputs.md is stale: run `python tests/bad_input_table.py --write docs/bad_inputs.md`"
     )
 
 

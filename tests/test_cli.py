@@ -92,8 +92,8 @@ def test_options_given_override_the_config_file_field_by_field(tmp_path, monkeyp
 
 
 def test_the_clis_per_run_fields_are_the_studies():
-    from lopti_lab.demo.config import PER_RUN
-    from lopti_lab.demo.mechanism import OPTIMIZER_FIELDS
+    from lopti_lab.studies.config import PER_RUN
+    from lopti_lab.studies.mechanism import OPTIMIZER_FIELDS
 
     assert cli.PER_RUN == PER_RUN
     assert set(cli.COMMANDS["mechanism"].skip) == {f"train.{n}" for n in (*PER_RUN, *OPTIMIZER_FIELDS)}

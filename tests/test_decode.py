@@ -19,8 +19,8 @@ from tiny import tiny_qwen2, tiny_tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from lopti_lab.fast.decode import lean_generate, pick_tokens, top_p_filter
-from lopti_lab.fast.forward import lean_unsupported, length_buckets
+from lopti_lab.lean.decode import lean_generate, pick_tokens, top_p_filter
+from lopti_lab.lean.forward import lean_unsupported, length_buckets
 from lopti_lab.rollout import add_logprobs, response_logprobs, sample, use_lean
 
 PROMPTS = [

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lopti_lab import runs
-from lopti_lab.demo import run as demo_run
-from lopti_lab.demo import tables as demo_tables
-from lopti_lab.demo.config import DemoConfig, HardLabConfig, demo_train
+from lopti_lab.studies import run as demo_run
+from lopti_lab.studies import tables as demo_tables
+from lopti_lab.studies.config import DemoConfig, HardLabConfig, demo_train
 from lopti_lab.methods import METHODS, PAPER
 from lopti_lab.models import load_policy
 from lopti_lab.paths import lab_model_dir
@@ -257,7 +257,7 @@ def test_workers_end_when_the_demo_is_killed(tmp_path):
     script = f"""
 import sys
 from pathlib import Path
-from lopti_lab.demo.config import DemoConfig
+from lopti_lab.studies.config import DemoConfig
 from lopti_lab.pool import RunPool
 config = DemoConfig(quick=True, methods=("GRPO", "GRPO+AR"), out={str(tmp_path / "demo")!r})
 pool = RunPool([config.train_config(m, 0, Path(config.out) / m) for m in config.methods], 2, threads=1)

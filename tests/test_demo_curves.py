@@ -1,4 +1,4 @@
-"""A study's test-split learning curves (``demo.curves``) against hand-computed values: the curve rows read from run
+"""A study's test-split learning curves (``studies.curves``) against hand-computed values: the curve rows read from run
 folders, the paper's mean of the last 3 evaluations, the area under the curve, the last-third gain, the bands over
 seeds and the paired difference to GRPO per step; then the report section and figure that show them."""
 
@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 
 from lopti_lab import plots_methods, runs
-from lopti_lab.demo import curves
-from lopti_lab.demo import report as demo_report
-from lopti_lab.demo.config import HardLabConfig
+from lopti_lab.studies import curves
+from lopti_lab.studies import report as demo_report
+from lopti_lab.studies.config import HardLabConfig
 from lopti_lab.paths import data_dir, shown
 
 T4 = 2.7764451  # t(0.975, 4)

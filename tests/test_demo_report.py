@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 
 from lopti_lab import plots_methods
-from lopti_lab.demo import report as demo_report
-from lopti_lab.demo import stats
-from lopti_lab.demo import tables as demo_tables
-from lopti_lab.demo.config import DemoConfig
+from lopti_lab.studies import report as demo_report
+from lopti_lab.studies import stats
+from lopti_lab.studies import tables as demo_tables
+from lopti_lab.studies.config import DemoConfig
 
 WARM = demo_tables.WARM
 

@@ -11,8 +11,8 @@ import torch
 
 from lopti_lab import runs
 from lopti_lab.counterfactual import FrozenBatch
-from lopti_lab.demo import mechanism
-from lopti_lab.demo.mechanism import OPTIMIZER_SETTINGS, MechanismConfig
+from lopti_lab.studies import mechanism
+from lopti_lab.studies.mechanism import OPTIMIZER_SETTINGS, MechanismConfig
 from lopti_lab.kk import build_prompt, load_split
 from lopti_lab.models import LoraSpec, load_policy
 from lopti_lab.objective import group_advantages

@@ -184,7 +184,7 @@ def test_the_training_panel_on_a_cpu_runs_the_demos_grpo_with_an_evaluation_half
     from dataclasses import replace
     from pathlib import Path
 
-    from lopti_lab.demo.config import DemoConfig
+    from lopti_lab.studies.config import DemoConfig
 
     env = notebook.setup(quick=False, device="cpu")
     config = notebook.training_defaults(env)
@@ -196,7 +196,7 @@ def test_the_training_panel_on_a_cpu_runs_the_demos_grpo_with_an_evaluation_half
 def test_the_training_panel_picks_the_hard_lab_regime_and_back(tmp_path):
     """Notebook 04's regime picker: "hard lab" makes the panel's run the hard lab study's GRPO run (every setting,
     shown or not), the switches still free on top of it; "demo lab" puts the demo's settings back."""
-    from lopti_lab.demo.config import HardLabConfig
+    from lopti_lab.studies.config import HardLabConfig
 
     env = notebook.setup(quick=False, device="cpu")
     regimes = notebook.lab_regimes(env)

@@ -34,7 +34,7 @@ def evaluate_warm_start(
     puzzles of each, None: all): greedy, and ``samples`` completions per puzzle at temperature 1.0 sampled under
     ``seed`` (keys ``{prefix}/{greedy,sample}/acc_{n}ppl`` with their ``_se``, ``.../format_error_rate``);
     ``prompt_style``: the one the model was trained on (``lab.trace.prompt_style`` of its trace). The one warm-start
-    evaluation: pretraining's final one and the demo's (``demo.run.warm_start_eval``, with ``prefix="eval"``, the
+    evaluation: pretraining's final one and the demo's (``studies.run.warm_start_eval``, with ``prefix="eval"``, the
     runs' own keys) both call it."""
     test = load_split("test", list(people), limit=size)
     return evaluate(

@@ -17,7 +17,7 @@ How (``layerwise_float64`` and ``streamed_logprobs``):
 - each cast unit (a module that owns parameters, or a peft LoRA layer with its base layer and adapters, since peft
   casts a LoRA layer's input to lora_A's dtype) runs in float64 between a forward pre-hook and a forward hook that
   swap its ``param.data`` to a float64 copy and back to the ORIGINAL tensor: nothing is rounded, and an optimizer
-  holding the weights sees them unchanged. Both the HF forward and the lean one (fast/forward.py) call these units.
+  holding the weights sees them unchanged. Both the HF forward and the lean one (lean/forward.py) call these units.
 - the embedding's output is cast, not its matrix (a lookup is exact); the other buffers (rotary) are small and cast
   for the block; RMSNorms compute in float64 (``_rms_norm_float64``: HF's compute in float32).
 - the lm_head is never called: ``headless`` makes it return its input, and ``streamed_head_logprobs`` takes only the
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
-from lopti_lab.fast.forward import causal_lm
+from lopti_lab.lean.forward import causal_lm
 from lopti_lab.probes._common import _response_logp
 from lopti_lab.rollout import kept_columns, response_logprobs, shared_prompt_forward, use_lean
 

@@ -138,7 +138,7 @@ plots.fig2(shift=shift.bins)
 # (`additivity`).
 
 # %%
-from lopti_lab.demo.mechanism import fig3_source
+from lopti_lab.studies.mechanism import fig3_source
 from lopti_lab.paths import shown
 
 table, source = fig3_source()

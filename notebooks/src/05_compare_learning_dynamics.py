@@ -34,10 +34,10 @@ from pathlib import Path
 
 from lopti_lab import paper, plots, plots_methods, runs, widgets
 from lopti_lab.counterfactual import recorded_method_probes
-from lopti_lab.demo.config import DemoConfig
-from lopti_lab.demo.curves import last_evaluations, paired_over_steps, recorded_study, seed_bands
-from lopti_lab.demo.tables import paired_intervals, paired_per_seed, recorded_comparison
-from lopti_lab.demo.run import run_demo
+from lopti_lab.studies.config import DemoConfig
+from lopti_lab.studies.curves import last_evaluations, paired_over_steps, recorded_study, seed_bands
+from lopti_lab.studies.tables import paired_intervals, paired_per_seed, recorded_comparison
+from lopti_lab.studies.run import run_demo
 from lopti_lab.paths import shown
 
 # %% [markdown]

@@ -1,6 +1,6 @@
-"""The demo's report folder: accuracy tables in the paper's layout (``demo.tables``), the learning curves on the test
-split where the runs were evaluated during training (``demo.curves``), the mechanism over training, figures and
-report.md. ``demo.run.run_demo`` trains; this module only reads run folders and writes files."""
+"""The demo's report folder: accuracy tables in the paper's layout (``studies.tables``), the learning curves on the test
+split where the runs were evaluated during training (``studies.curves``), the mechanism over training, figures and
+report.md. ``studies.run.run_demo`` trains; this module only reads run folders and writes files."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pandas as pd
 
 from lopti_lab import plots, plots_methods, runs
 from lopti_lab.counterfactual import Counterfactual
-from lopti_lab.demo import curves
-from lopti_lab.demo.config import DemoConfig
-from lopti_lab.demo.tables import (
+from lopti_lab.studies import curves
+from lopti_lab.studies.config import DemoConfig
+from lopti_lab.studies.tables import (
     accuracy_markdown,
     accuracy_table,
     by_seed,
@@ -35,7 +35,7 @@ LAST_K = 3
 
 
 def over_training(config: DemoConfig, run_dirs: dict, warm: dict) -> dict[str, pd.DataFrame] | None:
-    """The study's test-split measures over training (``demo.curves``), or None when the runs were evaluated once
+    """The study's test-split measures over training (``studies.curves``), or None when the runs were evaluated once
     (the demo): per mode the curves (``curves_{mode}``), the last-3-evaluations accuracy (``last3_{mode}``) and its
     paired differences to GRPO (``paired_last3_{mode}``); on sampled accuracy the area under the curve (``auc``), its
     paired differences (``paired_auc``), the gain over the runs' last third (``late_gain``), the bands over seeds and

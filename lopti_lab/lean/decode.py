@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lopti_lab.fast.forward import attend_one, causal_lm, layer_input, layer_output, prefill
+from lopti_lab.lean.forward import attend_one, causal_lm, layer_input, layer_output, prefill
 
 __all__ = ["DEAD_SHARE", "Decoded", "lean_generate", "pick_tokens", "top_p_filter"]
 

@@ -87,7 +87,7 @@ def demo_train(**changes) -> TrainConfig:
 class StudyConfig:
     """What every study of the lab shares: the methods trained with every other setting in common, their seeds, the
     one TrainConfig all runs share, a report folder, and the worker processes. ``DemoConfig`` and
-    ``demo.mechanism.MechanismConfig`` are its two studies; each names its own defaults (``TRAIN_DEFAULTS``)."""
+    ``studies.mechanism.MechanismConfig`` are its two studies; each names its own defaults (``TRAIN_DEFAULTS``)."""
 
     TRAIN_DEFAULTS: ClassVar[dict] = DEMO_TRAIN
     """The study's TrainConfig fields where they differ from TrainConfig's (a ``train`` dict changes these)."""
@@ -180,7 +180,7 @@ class DemoConfig(StudyConfig):
     out: str = "reports/demo"
     """report folder (created; runs/ inside holds each run folder)"""
     cache_warm_start: bool = True
-    """reuse a recorded warm-start evaluation of the same weights and settings (demo.run.warm_start_eval)"""
+    """reuse a recorded warm-start evaluation of the same weights and settings (studies.run.warm_start_eval)"""
 
     def check(self, check: FieldCheck) -> None:
         check.flag("cache_warm_start")

@@ -35,8 +35,8 @@ from lopti_lab import durable, plots, runs
 from lopti_lab.bins import DEFAULT_BINS
 from lopti_lab.checks import FieldCheck, is_real
 from lopti_lab.counterfactual import FrozenBatch, counterfactual, frozen_batch, whole_batch_config
-from lopti_lab.demo.config import DEMO_TRAIN, StudyConfig
-from lopti_lab.demo.stats import ci95
+from lopti_lab.studies.config import DEMO_TRAIN, StudyConfig
+from lopti_lab.studies.stats import ci95
 from lopti_lab.kk import load_split
 from lopti_lab.methods import LOPTI_ETA, METHODS, run_name
 from lopti_lab.models import load_policy

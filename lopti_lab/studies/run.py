@@ -20,8 +20,8 @@ import torch
 
 from lopti_lab import durable, runs
 from lopti_lab.counterfactual import Counterfactual, counterfactual, frozen_batch
-from lopti_lab.demo.config import DemoConfig
-from lopti_lab.demo.report import write_report
+from lopti_lab.studies.config import DemoConfig
+from lopti_lab.studies.report import write_report
 from lopti_lab.kk import load_split
 from lopti_lab.lab.evaluate import evaluate_warm_start
 from lopti_lab.methods import METHODS

@@ -7,7 +7,7 @@ area under the learning curve, and each method against GRPO paired by seed, at e
     area_under_curve(curves)                                   # the same layout: mean accuracy over the run
     paired_over_steps(curves, ["3ppl", "avg"])                 # method - GRPO per step: mean, 95% interval, n
 
-The rows use ``demo.tables``' model names ("Lab model (warm start)", "+ GRPO", "+ GRPO + AR", ...), so its paired
+The rows use ``studies.tables``' model names ("Lab model (warm start)", "+ GRPO", "+ GRPO + AR", ...), so its paired
 statistics (``paired_per_seed``, ``paired_intervals``) apply to these frames as they do to the final accuracy.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from lopti_lab import runs
-from lopti_lab.demo.stats import ci95
+from lopti_lab.studies.stats import ci95
 from lopti_lab.paths import data_dir
 
 __all__ = ["GRPO_ROW", "RECORDED", "WARM", "area_under_curve", "last_evaluations", "late_gain", "model_name",
@@ -48,7 +48,7 @@ def test_curves(
     mode: str = "sample",
 ) -> pd.DataFrame:
     """Every test evaluation of every run: columns model, seed, step, ``{n}ppl`` per people count and avg (their
-    mean). The warm start's evaluation under each seed's sampling seed (``warm[seed]``, as ``demo.run`` measures it)
+    mean). The warm start's evaluation under each seed's sampling seed (``warm[seed]``, as ``studies.run`` measures it)
     is the row at step 0 of that seed's runs, and also a model of its own (``WARM``). ``mode``: "sample" or
     "greedy"."""
     rows = []

@@ -2,8 +2,8 @@
 DataConfig) with the bad values tried and the error each gets, then bad K&K files and damaged run folders. Generated
 from the code into docs/bad_inputs.md:
 
-    python -m lopti_lab.bad_inputs --write docs/bad_inputs.md    # regenerate after changing a config
-    python -m lopti_lab.bad_inputs --check docs/bad_inputs.md    # exit 1 if the committed table is stale
+    python tests/bad_input_table.py --write docs/bad_inputs.md    # regenerate after changing a config
+    python tests/bad_input_table.py --check docs/bad_inputs.md    # exit 1 if the committed table is stale
 
 Config cases come from two places. Every field gets wrong-type values derived from its annotation (``type_cases``:
 a string where a number belongs, a number where a string belongs, ...), so a new field is tried without anyone
@@ -29,14 +29,14 @@ from pathlib import Path
 import torch
 
 from lopti_lab import runs
-from lopti_lab.demo.config import DemoConfig
-from lopti_lab.demo.mechanism import MechanismConfig
 from lopti_lab.evaluate import EvalConfig
 from lopti_lab.kk import generate_puzzle, load_jsonl
 from lopti_lab.kk.data import DataConfig
 from lopti_lab.lab.pretrain import PretrainConfig
 from lopti_lab.paths import data_dir
 from lopti_lab.resume import resume_point
+from lopti_lab.studies.config import DemoConfig
+from lopti_lab.studies.mechanism import MechanismConfig
 from lopti_lab.train_config import TrainConfig
 
 NAN, INF = math.nan, math.inf
@@ -481,7 +481,7 @@ def all_rows() -> list[Row]:
 
 
 INTRO = (
-    """Generated from the code (lopti_lab/bad_inputs.py) by `python -m lopti_lab.bad_inputs --write
+    """Generated from the code (tests/bad_input_table.py) by `python tests/bad_input_table.py --write
 docs/bad_inputs.md`; tests/test_bad_inputs.py fails when it is stale. Config errors are raised by the config's own
 validation, before any model loads; K&K files are read with `kk.load_jsonl`; run folders are checked as
 `train(resume=True)` checks them, before any model loads (`repaired:` rows are not errors: the resume fixes the
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.write).write_text(text, encoding="utf-8")
         print(f"wrote {args.write}: {len(rows)} bad inputs")
     elif Path(args.check).read_text(encoding="utf-8") != text:
-        print(f"{args.check} is stale: run python -m lopti_lab.bad_inputs --write {args.check}")
+        print(f"{args.check} is stale: run python tests/bad_input_table.py --write {args.check}")
         return 1
     return 1 if bad else 0
 

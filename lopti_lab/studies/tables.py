@@ -1,6 +1,6 @@
 """Accuracy tables in the paper's layout and their statistics over seeds: one row per (model, seed), a column per
 people count and their average; the spread over seeds (mean ± 95% interval, or one run's evaluation standard error),
-each seed's gain over the warm start, and each method paired with GRPO at the same seed. ``demo.report`` writes
+each seed's gain over the warm start, and each method paired with GRPO at the same seed. ``studies.report`` writes
 them into a report folder; the notebooks read them.
 
     frame = accuracy_table(config, run_dirs, warm, "sample")   # the final evaluation of every run
@@ -16,9 +16,9 @@ from pathlib import Path
 import pandas as pd
 
 from lopti_lab import runs
-from lopti_lab.demo.config import DemoConfig
-from lopti_lab.demo.curves import GRPO_ROW, WARM, model_name
-from lopti_lab.demo.stats import ci95
+from lopti_lab.studies.config import DemoConfig
+from lopti_lab.studies.curves import GRPO_ROW, WARM, model_name
+from lopti_lab.studies.stats import ci95
 from lopti_lab.paths import data_dir
 
 __all__ = ["accuracy_markdown", "accuracy_table", "by_seed", "compare_methods", "gains_markdown", "gains_per_seed",
