@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from lopti_lab.studies.config import demo_train
 from lopti_lab.kk import load_split
 from lopti_lab.methods import METHODS
 from lopti_lab.models import load_policy
+from lopti_lab.studies.config import demo_train
 from lopti_lab.trainer import PuzzleStream, train_step
 from lopti_lab.update import build_optimizer
 
@@ -43,7 +43,8 @@ def main() -> None:
     cfg = demo_train(prompts_per_step=args.prompts, eval_people=(), **extra, **METHODS[args.method].overrides())
     plain, tokenizer = load_policy(cfg.model, lora=None)
     measured = copy.deepcopy(plain)
-    optimizers = {False: build_optimizer(plain.parameters(), cfg), True: build_optimizer(measured.parameters(), cfg)}
+    optimizers = {False: build_optimizer(plain.parameters(), cfg.optimizer_spec()),
+                  True: build_optimizer(measured.parameters(), cfg.optimizer_spec())}
     models = {False: plain, True: measured}
     stream = PuzzleStream(load_split("train", cfg.train_people), cfg.prompts_per_step, cfg.seed)
     seconds = {False: [], True: []}

@@ -43,9 +43,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lopti_lab.trainer as trainer
-from lopti_lab.studies.config import DemoConfig
 from lopti_lab.kk import load_split
 from lopti_lab.models import load_policy
+from lopti_lab.studies.config import DemoConfig
 
 PHASES = ("generate", "logprob", "update")
 

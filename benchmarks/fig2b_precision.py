@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from lopti_lab.bins import DEFAULT_BINS, bin_index
-from lopti_lab.counterfactual import frozen_batch, whole_batch_config
+from lopti_lab.counterfactual import frozen_batch, whole_batch_update
 from lopti_lab.kk import load_split
 from lopti_lab.methods import METHODS
 from lopti_lab.models import load_policy
@@ -37,7 +37,7 @@ def measure(model, batch, lr: float, optimizer: str) -> pd.DataFrame:
     args = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, batch.temperature)
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
-    base = whole_batch_config(batch, lr=lr)
+    base = whole_batch_update(batch)
     with torch.no_grad():
         old32 = response_logprobs(model, *args)[0]
     old64 = float64_logprobs(model, *args)
@@ -45,10 +45,10 @@ def measure(model, batch, lr: float, optimizer: str) -> pd.DataFrame:
     bins = bin_index(old64.exp(), DEFAULT_BINS)
     rows = []
     for name, method in METHODS.items():
-        cfg = replace(base, **method.overrides())
+        spec = replace(base, objective=replace(base.objective, method=method))
         opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.AdamW(params, lr=lr, weight_decay=0)
-        weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, cfg)
-        update_policy(model, opt, rollout, weighted, stages, cfg)
+        weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, spec.objective)
+        update_policy(model, opt, rollout, weighted, stages, spec)
         with torch.no_grad():
             new32 = response_logprobs(model, *args)[0]
         new64 = float64_logprobs(model, *args)

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from lopti_lab.counterfactual import frozen_batch, method_probes
-from lopti_lab.studies.config import DEMO_TRAIN
 from lopti_lab.kk import load_split
 from lopti_lab.methods import METHODS
 from lopti_lab.models import load_policy
 from lopti_lab.plots_methods import method_probes as method_probes_figure
+from lopti_lab.studies.config import DEMO_TRAIN
 from lopti_lab.train_config import TrainConfig
 
 

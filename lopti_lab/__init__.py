@@ -8,7 +8,7 @@ The package is layered, ground floor first (an import only points down; tests/te
     probes/, toy                             gradient probes and probability shift; the toy policy
     train_config, evaluate, runs, resume     the config, test accuracy, run folders, resuming them
     trainer, counterfactual, pool            the GRPO loop; one frozen batch updated by each method; runs in workers
-    lab/, studies/, paper                    the lab model; the demo, hard lab and mechanism studies; the paper's numbers
+    lab/, studies/, paper                    the lab model; the demo, hard-lab and mechanism studies; the paper
     plots, notebook, widgets, cli            figures, the notebooks' set-up, ipywidgets panels, the command line
     integrations/                            TRL and verl adapters (objective and kk only)
 

@@ -363,18 +363,7 @@ def run_eval(config, args) -> int:
     else:
         model, tokenizer = load_policy(config.model, lora=None, dtype=config.dtype, device=config.device)
         style, root = config.prompt_style or prompt_style_of(config.model) or "instruct", config.data_root
-    metrics = evaluate(
-        model,
-        tokenizer,
-        load_split("test", config.people, root, config.size),
-        prompt_style=style,
-        max_new_tokens=config.max_new_tokens,
-        modes=config.modes,
-        samples=config.samples,
-        temperature=config.temperature,
-        batch_size=config.batch_size,
-        seed=config.seed,
-    )
+    metrics = evaluate(model, tokenizer, load_split("test", config.people, root, config.size), config.spec(style))
     for key, value in metrics.items():
         print(f"{key:32s} {value:.4f}")
     if config.json:

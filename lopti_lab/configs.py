@@ -32,7 +32,10 @@ class ConfigError(ValueError):
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """{field: the docstring under it} of a dataclass, read from its source (the fields of its bases too)."""
+    """{field: the docstring under it} of a dataclass, read from its source (the fields of its bases too).
+
+    A field declared elsewhere and only carried here, ``ar_alpha: float | None = Method.ar_alpha`` (a default that is
+    another dataclass's field of the same name), has that field's docstring: one declaration, one text."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass) or klass is object:
@@ -42,10 +45,23 @@ def field_docs(cls: type) -> dict[str, str]:
         except (OSError, TypeError):  # no source (a frozen app): no help text, nothing else lost
             continue
         body = tree.body[0].body
-        for node, nxt in itertools.pairwise(body):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+        for node, nxt in itertools.pairwise([*body, None]):
+            if not isinstance(node, ast.AnnAssign):
+                continue
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
                 docs[node.target.id] = " ".join(str(nxt.value.value).split())
+            elif (source := _declared_in(klass, node)) is not None:
+                docs[node.target.id] = field_docs(source).get(node.target.id, "")
     return docs
+
+
+def _declared_in(klass: type, node: ast.AnnAssign) -> type | None:
+    """The dataclass a field's default names as ``Other.<the same field>``, if it does."""
+    value = node.value
+    if not (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.attr == node.target.id):
+        return None
+    source = vars(inspect.getmodule(klass)).get(value.value.id)
+    return source if dataclasses.is_dataclass(source) else None
 
 
 def nested_config(cls: type, name: str) -> type | None:

@@ -23,15 +23,22 @@ import torch
 from lopti_lab.bins import DEFAULT_BINS, bin_labels, entropy_rank
 from lopti_lab.evaluate import score_rollout
 from lopti_lab.kk import Puzzle, build_prompt
-from lopti_lab.methods import METHODS, PAPER
+from lopti_lab.methods import METHODS, PAPER, Method
 from lopti_lab.models import PROMPT_STYLE_KEY
 from lopti_lab.objective import group_advantages
 from lopti_lab.paths import data_dir
 from lopti_lab.probes import GradientProbe, bin_gradient_norms, probability_shift
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.rollout import Rollout, response_logprobs, sample
-from lopti_lab.train_config import OPTIMIZERS, TrainConfig
-from lopti_lab.update import advantages_and_stages, build_optimizer, update_policy
+from lopti_lab.update import (
+    OPTIMIZERS,
+    Objective,
+    OptimizerSpec,
+    UpdateSpec,
+    advantages_and_stages,
+    build_optimizer,
+    update_policy,
+)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the frozen-batch counterfactual
@@ -94,19 +101,12 @@ class Counterfactual:
     """Per method: optimizer steps taken and the mean gradient norm."""
 
 
-def whole_batch_config(batch: FrozenBatch, **overrides) -> TrainConfig:
-    """The update settings of one pass over ``batch`` as a single minibatch, no KL (``overrides`` replace fields):
-    GRPO then takes one optimizer step, Lopti two."""
-    rollout = batch.rollout
-    settings = {
-        "model": "lab",
-        "kl_coef": 0.0,
-        "minibatch_size": len(rollout),
-        "prompts_per_step": len(rollout) // rollout.group_size,
-        "group_size": rollout.group_size,
-        "temperature": batch.temperature,
-    }
-    return TrainConfig(**{**settings, **overrides})
+def whole_batch_update(batch: FrozenBatch, **overrides) -> UpdateSpec:
+    """The update of one pass over ``batch`` as a single minibatch, no KL, at the batch's temperature (``overrides``
+    replace UpdateSpec fields): GRPO then takes one optimizer step, Lopti two."""
+    settings = {"objective": Objective(kl_coef=0.0), "temperature": batch.temperature,
+                "minibatch_size": len(batch.rollout)}  # fmt: skip
+    return UpdateSpec(**{**settings, **overrides})
 
 
 def counterfactual(
@@ -117,14 +117,17 @@ def counterfactual(
     lr: float = 1e-4,
     optimizer: str = "sgd",
     bins: Sequence[float] = DEFAULT_BINS,
-    base: TrainConfig | None = None,
+    update: UpdateSpec | None = None,
+    adamw: OptimizerSpec | None = None,
 ) -> Counterfactual:
     """Apply each method's update to ``batch`` from the same weights; measure the probability shift; restore.
 
-    ``base`` supplies the update's settings (clip range, minibatch size, ...); by default one minibatch holds the whole
-    batch, so GRPO takes one optimizer step and Lopti two (low, then high). ``optimizer``: "sgd" shows gradient
-    sizes directly (the paper's Fig. 1 uses SGD), "adamw" is what training uses, with ``base``'s betas and epsilon
-    and no weight decay (its first step moves a parameter by lr * g / (|g| + eps): sign-like where eps << |g|).
+    ``update`` gives the update's settings (its objective's clip range and KL, the minibatch size, ...; each method's
+    switches replace its objective's); by default ``whole_batch_update``: one minibatch holds the whole batch, so
+    GRPO takes one optimizer step and Lopti two (low, then high). ``optimizer``: "sgd" shows gradient sizes directly
+    (the paper's Fig. 1 uses SGD), "adamw" is what training uses, with ``adamw``'s betas and epsilon (default
+    ``OptimizerSpec()``'s) and no weight decay (its first step moves a parameter by lr * g / (|g| + eps): sign-like
+    where eps << |g|).
     The correct ratio compares each token's probability change with the sign of its advantage (AR never flips it).
     """
     rollout = batch.rollout
@@ -133,8 +136,8 @@ def counterfactual(
     measure = (rollout.input_ids, rollout.attention_mask, rollout.response_mask, batch.temperature)
     before = float64_logprobs(model, *measure)
     shifts, updates = [], []
-    for name, update in _updates(model, batch, methods, lr, optimizer, base):
-        stats = update()
+    for name, run in _updates(model, batch, methods, _optimizer(lr, optimizer, adamw), update):
+        stats = run()
         after = float64_logprobs(model, *measure)
         shifts.append((name, probability_shift(before, after, token_advantages, rollout.response_mask, bins)))
         updates.append(
@@ -147,19 +150,23 @@ def counterfactual(
     )
 
 
-def _updates(model, batch: FrozenBatch, methods, lr: float, optimizer: str, base: TrainConfig | None):
-    """(name, update) for each method, where ``update(probe=None, probe_by=None)`` applies the method's update to
-    the frozen batch from the saved weights and returns its metrics; the weights are put back after each method and
-    at the end, whatever happens."""
-    methods = {label: METHODS[label].overrides() for label in PAPER} if methods is None else methods
+def _optimizer(lr: float, optimizer: str, adamw: OptimizerSpec | None) -> OptimizerSpec:
+    """One measured update's optimizer: ``optimizer`` at ``lr`` without weight decay (one update measures the
+    gradient's move), AdamW with ``adamw``'s betas and epsilon."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    return replace(adamw or OptimizerSpec(), optimizer=optimizer, lr=lr, weight_decay=0.0)
+
+
+def _updates(model, batch: FrozenBatch, methods, optimizer: OptimizerSpec, update: UpdateSpec | None):
+    """(name, run) for each method, where ``run(probe=None, probe_by=None)`` applies the method's update to the
+    frozen batch from the saved weights and returns its metrics; the weights are put back after each method and at
+    the end, whatever happens."""
+    methods = {label: METHODS[label].overrides() for label in PAPER} if methods is None else methods
     rollout = batch.rollout
-    base = whole_batch_config(batch) if base is None else base
+    update = whole_batch_update(batch) if update is None else update
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
-    # no weight decay (one update measures the gradient's move); SGD keeps no AdamW settings
-    one_update = {"weight_decay": 0.0} | ({"betas": (0.9, 0.999), "adam_eps": 1e-8} if optimizer == "sgd" else {})
 
     def restore() -> None:
         with torch.no_grad():
@@ -168,15 +175,16 @@ def _updates(model, batch: FrozenBatch, methods, lr: float, optimizer: str, base
 
     try:
         for name, overrides in methods.items():
-            cfg = replace(base, lr=lr, **{**METHODS["GRPO"].overrides(), **overrides})
+            method = Method(name, **{**METHODS["GRPO"].overrides(), **overrides})
+            spec = replace(update, objective=replace(update.objective, method=method))
 
-            def update(probe=None, probe_by=None, cfg=cfg):
+            def run(probe=None, probe_by=None, spec=spec):
                 restore()
-                opt = build_optimizer(params, replace(cfg, **one_update, optimizer=optimizer))
-                weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, cfg)
-                return update_policy(model, opt, rollout, weighted, stages, cfg, probe, probe_by)
+                weighted, stages, _ = advantages_and_stages(rollout, batch.advantages, spec.objective)
+                return update_policy(model, build_optimizer(params, optimizer), rollout, weighted, stages, spec, probe,
+                                     probe_by)  # fmt: skip
 
-            yield name, update
+            yield name, run
             restore()
     finally:
         restore()
@@ -190,7 +198,8 @@ def method_probes(
     lr: float = 1e-3,
     optimizer: str = "sgd",
     bins: Sequence[float] = DEFAULT_BINS,
-    base: TrainConfig | None = None,
+    update: UpdateSpec | None = None,
+    adamw: OptimizerSpec | None = None,
 ) -> pd.DataFrame:
     """What each method's update does to the gradient, by probability bin and by entropy bin, on the same frozen
     batch: the bin's share of the response tokens, its share of the update's gradient (``probes.GradientProbe`` on
@@ -205,10 +214,10 @@ def method_probes(
     measure = (rollout.input_ids, rollout.attention_mask, mask, batch.temperature)
     before = float64_logprobs(model, *measure)
     rows = []
-    for name, update in _updates(model, batch, methods, lr, optimizer, base):
+    for name, run in _updates(model, batch, methods, _optimizer(lr, optimizer, adamw), update):
         for binning, bin_by in by.items():
             with GradientProbe(model, bins=bins) as probe:
-                update(probe, bin_by)
+                run(probe, bin_by)
             shares = probe.metrics()
             after = float64_logprobs(model, *measure)
             shift = probability_shift(before, after, token_advantages, mask, bins, bin_by=bin_by).bins

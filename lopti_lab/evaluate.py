@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +19,9 @@ from lopti_lab.checks import FieldCheck, is_int
 from lopti_lab.kk import PROMPT_STYLES, Puzzle, build_prompt, score_response
 from lopti_lab.kk.data import split_files
 from lopti_lab.models import check_model_name
-from lopti_lab.rollout import Rollout, sample
+from lopti_lab.rollout import Rollout, SamplingSpec, sample
 
-__all__ = ["EvalConfig", "accuracy_se", "evaluate", "score_rollout"]
+__all__ = ["EvalConfig", "EvalSpec", "accuracy_se", "evaluate", "score_rollout"]
 
 
 def score_rollout(rollout: Rollout, puzzles: Sequence[Puzzle]) -> list:
@@ -31,20 +31,37 @@ def score_rollout(rollout: Rollout, puzzles: Sequence[Puzzle]) -> list:
     return [score_response(text, puzzles[b // group]) for b, text in enumerate(rollout.texts)]
 
 
+@dataclass(frozen=True)
+class EvalSpec:
+    """How a test evaluation decodes: what ``evaluate`` takes, built by ``TrainConfig.eval_spec()`` for a run's
+    evaluations and by ``EvalConfig.spec()`` for ``lopti-lab eval``."""
+
+    prompt_style: str = "instruct"
+    """the prompt format (kk.PROMPT_STYLES)"""
+    max_new_tokens: int = 4096
+    """response length cap"""
+    modes: tuple[str, ...] = ("greedy", "sample")
+    """"greedy" decoding and / or "sample" (``samples`` completions per puzzle at ``temperature``; the paper: both)"""
+    samples: int = 1
+    """completions per puzzle in the "sample" mode: accuracy is their mean (more samples, less noise)"""
+    temperature: float = 1.0
+    """temperature of the "sample" mode (the paper: 1.0)"""
+    batch_size: int | None = None
+    """rows per generate call (None: rollout.sample's default)"""
+    seed: int = 0
+    """seed of the sampled mode"""
+    fast_path: str = "auto"
+    """the decoder (rollout.FAST_PATHS)"""
+
+
 def evaluate(
     model: torch.nn.Module,
     tokenizer,
     puzzles: Iterable[Puzzle],
+    spec: EvalSpec | None = None,
     *,
-    prompt_style: str = "instruct",
-    max_new_tokens: int = 4096,
-    modes: Sequence[str] = ("greedy", "sample"),
-    samples: int = 1,
-    temperature: float = 1.0,
-    batch_size: int | None = None,
-    seed: int = 0,
     prefix: str = "eval",
-    fast_path: str = "auto",
+    **settings,
 ) -> dict[str, float]:
     """Test accuracy (share of completions with reward 3) by people count, greedy and/or ``samples`` sampled
     completions per puzzle at ``temperature``, each with its standard error.
@@ -52,31 +69,22 @@ def evaluate(
     Keys: ``{prefix}/{mode}/acc_{n}ppl``, ``{prefix}/{mode}/acc_all`` (the mean over people counts, the paper's
     "avg"), each with an ``_se`` twin (``accuracy_se``), ``{prefix}/{mode}/format_error_rate`` and
     ``{prefix}/{mode}/len_mean``. Sampling runs under a forked torch RNG seeded with ``seed``, so evaluating never
-    changes the training run's random stream. ``fast_path``: the decoder (``rollout.FAST_PATHS``).
+    changes the training run's random stream. ``settings``: EvalSpec fields to replace (``evaluate(..., samples=4)``).
     """
+    spec = replace(spec or EvalSpec(), **settings)
     puzzles = list(puzzles)
     if not puzzles:
         return {}
     device = next(model.parameters()).device
-    prompts = [build_prompt(p, prompt_style, tokenizer) for p in puzzles]
+    prompts = [build_prompt(p, spec.prompt_style, tokenizer) for p in puzzles]
+    decode = SamplingSpec(spec.max_new_tokens, spec.temperature, batch_size=spec.batch_size, fast_path=spec.fast_path)
     people = np.array([p.n_people for p in puzzles])
     out: dict[str, float] = {}
-    for mode in modes:
-        group = 1 if mode == "greedy" else samples
+    for mode in spec.modes:
+        group = 1 if mode == "greedy" else spec.samples
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            rollout = sample(
-                model,
-                tokenizer,
-                prompts,
-                group,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                greedy=mode == "greedy",
-                batch_size=batch_size,
-                with_logprobs=False,
-                fast_path=fast_path,
-            )
+            torch.manual_seed(spec.seed)
+            rollout = sample(model, tokenizer, prompts, group, decode, greedy=mode == "greedy", with_logprobs=False)
         rewards = score_rollout(rollout, puzzles)
         correct = np.array([r.total == 3.0 for r in rewards], dtype=float).reshape(len(puzzles), group)  # (n, G)
         counts = sorted(set(people.tolist()))
@@ -119,14 +127,10 @@ class EvalConfig:
     """people counts of the test split (the paper: 3-7)"""
     size: int = 100
     """test puzzles per people count (the split has 100)"""
-    modes: tuple[str, ...] = ("greedy", "sample")
-    """"greedy" decoding and / or "sample" (``samples`` completions per puzzle at ``temperature``)"""
-    samples: int = 1
-    """completions per puzzle in the "sample" mode"""
-    temperature: float = 1.0
-    """temperature of the "sample" mode (the paper: 1.0)"""
-    max_new_tokens: int = 4096
-    """response length cap"""
+    modes: tuple[str, ...] = EvalSpec.modes
+    samples: int = EvalSpec.samples
+    temperature: float = EvalSpec.temperature
+    max_new_tokens: int = EvalSpec.max_new_tokens
     prompt_style: str | None = None
     """None: the run's, else the one the model's config names (a lab model's), else "instruct\""""
     data_root: str | None = None
@@ -135,8 +139,7 @@ class EvalConfig:
     """rows per generate call (None: all at once)"""
     device: str = "auto"
     dtype: str = "auto"
-    seed: int = 0
-    """seed of the sampled mode"""
+    seed: int = EvalSpec.seed
     json: str | None = None
     """also write the metrics to this JSON file"""
 
@@ -175,3 +178,8 @@ class EvalConfig:
             split_files("test", self.people, self.data_root)
         except FileNotFoundError as err:
             raise ValueError(f"EvalConfig.people: {err}") from None
+
+    def spec(self, prompt_style: str) -> EvalSpec:
+        """The evaluation this config asks for, in ``prompt_style`` (the run's or the model's, resolved by the CLI)."""
+        return EvalSpec(prompt_style, self.max_new_tokens, self.modes, self.samples, self.temperature, self.batch_size,
+                        self.seed)  # fmt: skip

@@ -16,14 +16,18 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, is_dataclass, replace
 
+from lopti_lab.checks import FieldCheck
+
 __all__ = [
     "AR_ALPHA",
     "LOPTI_ETA",
+    "LOSSES",
     "METHODS",
     "METHOD_FIELDS",
     "ORDER",
     "PAPER",
     "Method",
+    "check_switches",
     "method_label",
     "method_of",
     "run_name",
@@ -43,27 +47,26 @@ class Method:
     label: str
     """"GRPO", "GRPO+AR", "GRPO+Lopti" or "GRPO+AR+Lopti" (the paper's table rows without the model)."""
     ar_alpha: float | None = None
-    """AR strength (docs/paper.md §3): A_hat = (alpha * pi_old + 1 - alpha) * A; None: off."""
+    """Advantage Reweighting alpha in [0, 1] (docs/paper.md §3: A_hat = (alpha * pi_old + 1 - alpha) * A; the paper:
+    0.3 on K&K); None = off"""
     lopti_eta: float | None = None
-    """Lopti threshold (§4): tokens with pi_old < eta are updated first, then the rest; None: one update on all."""
+    """Lopti threshold in (0, 1) (§4): tokens with pi_old < eta are updated first, then the rest (the paper: 0.5);
+    None = off"""
     lopti_order: str = "low_first"
-    """"low_first" (Lopti) or "high_first" (the paper's ablation)."""
+    """"low_first" (Lopti) or "high_first" (the paper's ablation, which collapses)"""
     loss: str = "ppo"
-    """the policy loss (TrainConfig.loss): "ppo" (the paper's), "cispo", "clip_cov" or "kl_cov"."""
+    """the policy loss: "ppo" (GRPO's clipped surrogate with the dual clip, the paper's), "cispo" (CISPO: the
+    importance weight clipped and detached, every token keeps its gradient), "clip_cov" (Clip-Cov: a small share of
+    high-covariance tokens' gradient dropped) or "kl_cov" (KL-Cov: |log pi - log pi_old| on the top share by
+    covariance); the dual clip applies to "ppo" only"""
     forking_rho: float | None = None
-    """forking tokens: only the top-rho entropy tokens carry the gradient; None: off."""
+    """forking tokens: only the share rho of the step's response tokens with the highest entropy carry the gradient
+    (Wang et al. 2025: 0.2); None = off"""
     entropy_adv_alpha: float | None = None
-    """the entropy-shaped advantage's alpha; None: off."""
+    """entropy-shaped advantage: A + min(alpha * H, |A| / kappa) per token (Cheng et al. 2025); None = off"""
 
     def __post_init__(self):
-        if self.ar_alpha is not None and not 0.0 <= self.ar_alpha <= 1.0:
-            raise ValueError(f"Method.ar_alpha must be in [0, 1] or None, got {self.ar_alpha!r}")
-        if self.lopti_eta is not None and not 0.0 < self.lopti_eta < 1.0:
-            raise ValueError(f"Method.lopti_eta must be in (0, 1) or None, got {self.lopti_eta!r}")
-        if self.lopti_order not in ("low_first", "high_first"):
-            raise ValueError(f"Method.lopti_order must be 'low_first' or 'high_first', got {self.lopti_order!r}")
-        if self.loss not in LOSS_LABELS:
-            raise ValueError(f"Method.loss must be one of {tuple(LOSS_LABELS)}, got {self.loss!r}")
+        check_switches(FieldCheck(self))
 
     @property
     def slug(self) -> str:
@@ -74,6 +77,11 @@ class Method:
     def stages(self) -> int:
         """Update stages per RL step: 2 with Lopti (low, high), else 1 (a Lopti run costs about twice the update)."""
         return 1 if self.lopti_eta is None else 2
+
+    @property
+    def uses_entropy(self) -> bool:
+        """Whether the method reads the rollout policy's entropy (forking tokens, the entropy advantage)."""
+        return self.forking_rho is not None or self.entropy_adv_alpha is not None
 
     def overrides(self) -> dict:
         """The TrainConfig fields this method sets (every other field is shared by all methods of a comparison)."""
@@ -98,11 +106,25 @@ METHOD_FIELDS = ("ar_alpha", "lopti_eta", "lopti_order", "loss", "forking_rho", 
 
 LOSS_LABELS = {"ppo": "", "cispo": "+CISPO", "clip_cov": "+Clip-Cov", "kl_cov": "+KL-Cov"}
 """How each TrainConfig.loss reads in a method's label."""
+LOSSES = tuple(LOSS_LABELS)
+"""``Method.loss`` choices: the paper's clipped loss and the token-level losses after it (token_credit)."""
 
 FORKING_RHO = 0.2
 """Wang et al. 2025's share of forking tokens."""
 ENTROPY_ADV_ALPHA = 0.4
 """The entropy-shaped advantage's alpha in the lab (Cheng et al.'s own defaults are not verified: docs/methods.md)."""
+
+def check_switches(check: FieldCheck) -> None:
+    """Check the method's switches (``METHOD_FIELDS``) on any object holding them: a ``Method``, a ``TrainConfig``,
+    TRL's ``LoptiGRPOConfig``; each error names the holder's field (``TrainConfig.ar_alpha must be ...``)."""
+    check.real("ar_alpha", 0.0, 1.0, optional=True)
+    # Lopti stage 1 holds the tokens with pi_old < eta: eta <= 0 empties it, eta >= 1 empties stage 2 (docs/paper.md §4)
+    check.real("lopti_eta", 0.0, 1.0, low_open=True, high_open=True, optional=True)
+    check.choice("lopti_order", ("low_first", "high_first"))
+    check.choice("loss", LOSSES)
+    check.real("forking_rho", 0.0, 1.0, low_open=True, optional=True)
+    check.real("entropy_adv_alpha", low=0.0, low_open=True, optional=True)
+
 
 METHODS: dict[str, Method] = {
     m.label: m

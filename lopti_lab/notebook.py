@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lopti_lab import plan
-from lopti_lab.studies.config import DemoConfig, HardLabConfig, demo_train
 from lopti_lab.models import prompt_style_of
+from lopti_lab.studies.config import DemoConfig, HardLabConfig, demo_train
 from lopti_lab.train_config import TrainConfig
 
 __all__ = [

@@ -93,6 +93,33 @@ forward) wherever it applies (``fast.forward.lean_unsupported``: a Qwen2 on a CP
 "lean" requires it (ValueError naming why not); "hf" is HF's generate and forward everywhere."""
 
 
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How completions are drawn and scored: what ``sample``, ``add_logprobs`` and ``evaluate.evaluate`` take
+    (``TrainConfig.sampling()`` builds the training run's)."""
+
+    max_new_tokens: int = 256
+    """response length cap"""
+    temperature: float = 1.0
+    """sampling temperature; the rollout log-probs are taken at it too"""
+    top_p: float = 1.0
+    """nucleus sampling mass (1 = off)"""
+    max_prompt_tokens: int | None = None
+    """fail if a prompt is longer; None = no check"""
+    batch_size: int | None = None
+    """rows per generate call (None: CPU_GENERATE_ROWS on a CPU, LEAN_CACHE_BYTES' worth on the lean path, all on a
+    GPU)"""
+    logprob_batch_size: int | None = None
+    """rows per no-grad log-prob forward (None: all)"""
+    fast_path: str = "auto"
+    """the decoder and forward (FAST_PATHS)"""
+
+    @classmethod
+    def of(cls, spec: SamplingSpec | None, settings: dict) -> SamplingSpec:
+        """``spec`` (default: the defaults) with the fields given as keywords replaced."""
+        return replace(spec or cls(), **settings)
+
+
 def use_lean(model: torch.nn.Module, fast_path: str = "auto") -> bool:
     """Whether ``model`` runs on the lean path under ``fast_path`` (FAST_PATHS), in its current train/eval mode."""
     if fast_path not in FAST_PATHS:
@@ -179,16 +206,18 @@ def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, n_prompt
 def add_logprobs(
     model: torch.nn.Module,
     rollout: Rollout,
-    temperature: float = 1.0,
+    spec: SamplingSpec | None = None,
+    *,
     with_entropy: bool = True,
     reference: Callable | None = None,
-    batch_size: int | None = None,
     policy: bool = True,
-    fast_path: str = "auto",
+    **settings,
 ) -> Rollout:
     """Fill ``rollout.old_logp`` and ``entropy`` (``policy=False``: leave them as they are) and, given a
-    ``models.Reference``, ``ref_logp``, in no-grad forwards of ``batch_size`` rows at the sampling temperature (the
-    paper's code divides the logits by it too)."""
+    ``models.Reference``, ``ref_logp``, in no-grad forwards of ``spec.logprob_batch_size`` rows at the sampling
+    temperature (the paper's code divides the logits by it too). ``settings``: SamplingSpec fields to replace."""
+    spec = SamplingSpec.of(spec, settings)
+    temperature, batch_size, fast_path = spec.temperature, spec.logprob_batch_size, spec.fast_path
     input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
     step = batch_size or len(rollout)
 
@@ -253,18 +282,13 @@ def sample(
     tokenizer,
     prompts: Sequence[str],
     group_size: int = 1,
+    spec: SamplingSpec | None = None,
     *,
-    max_new_tokens: int = 256,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
     greedy: bool = False,
-    max_prompt_tokens: int | None = None,
-    batch_size: int | None = None,
-    logprob_batch_size: int | None = None,
     with_logprobs: bool = True,
     with_entropy: bool = True,
     reference: Callable | None = None,
-    fast_path: str = "auto",
+    **settings,
 ) -> Rollout:
     """Sample ``group_size`` completions of each prompt (KV cache, left padding, stop at EOS).
 
@@ -272,17 +296,20 @@ def sample(
     sampling distribution is softmax(logits / temperature) restricted to the top-p nucleus; every other processor a
     checkpoint's generation_config may carry (Qwen's top_k = 20, repetition_penalty = 1.05) is switched off, so the
     rollout log-probs, at the same temperature, describe what was sampled (top-p aside, as in the paper's code).
-    ``greedy`` decodes argmax (evaluation). ``reference``: a ``models.Reference`` for ``ref_logp``.
+    ``greedy`` decodes argmax (evaluation). ``reference``: a ``models.Reference`` for ``ref_logp``. ``spec``: how to
+    sample (``SamplingSpec``); ``settings``: its fields to replace (``sample(..., max_new_tokens=64)``).
 
-    ``fast_path`` (FAST_PATHS) picks the decoder: on the lean path ``decode.lean_generate`` (each prompt prefilled
+    ``spec.fast_path`` (FAST_PATHS) picks the decoder: on the lean path ``decode.lean_generate`` (each prompt prefilled
     once for its group, finished rows dropped), whose sampling logits also give ``old_logp`` and ``entropy`` with no
     second forward; elsewhere HF generate, then a log-prob forward (``add_logprobs``). Both select tokens with the same
     arithmetic (tests/test_decode.py).
 
-    batch_size caps the rows per generate call, logprob_batch_size the rows per log-prob forward (GPU memory). On a
-    CPU, batch_size=None means CPU_GENERATE_ROWS rows per HF call, or on the lean path as many as LEAN_CACHE_BYTES
-    of KV cache holds (on a GPU: all rows in one call).
+    ``spec.batch_size`` caps the rows per generate call, ``logprob_batch_size`` the rows per log-prob forward (GPU
+    memory). On a CPU, batch_size=None means CPU_GENERATE_ROWS rows per HF call, or on the lean path as many as
+    LEAN_CACHE_BYTES of KV cache holds (on a GPU: all rows in one call).
     """
+    spec = SamplingSpec.of(spec, settings)
+    max_new_tokens, max_prompt_tokens, batch_size = spec.max_new_tokens, spec.max_prompt_tokens, spec.batch_size
     if group_size < 1 or not prompts:
         raise ValueError(f"need at least one prompt and group_size >= 1, got {len(prompts)} prompts, G={group_size}")
     device = next(model.parameters()).device
@@ -298,12 +325,13 @@ def sample(
     was_training = model.training
     model.eval()
     try:
-        lean = use_lean(model, fast_path)
+        lean = use_lean(model, spec.fast_path)
         if batch_size is None and lean:
             batch_size = min(n_rows, max(group_size, _lean_rows(model, prompt_ids.shape[1], max_new_tokens)))
         elif batch_size is None:
             batch_size = n_rows if device.type == "cuda" else min(n_rows, CPU_GENERATE_ROWS)
-        decode = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "greedy": greedy}
+        decode = {"max_new_tokens": max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p,
+                  "greedy": greedy}  # fmt: skip
         with torch.inference_mode():
             if lean:
                 decoded = _lean_generate(model, unique_ids, unique_mask, group_size, batch_size, stops,
@@ -325,16 +353,16 @@ def sample(
     rows, ends = response_ids.tolist(), first_stop.tolist()  # one copy to the host, not one per row
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(rows, ends, strict=True)])
     rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, texts, group_size, is_stop.any(1))
-    scored_at = 1.0 if greedy else temperature
+    scored = replace(spec, temperature=1.0 if greedy else spec.temperature)
     if lean and with_logprobs:  # pi_old read off the sampling logits: the rollout policy at its temperature
         rollout.old_logp = torch.cat([F.pad(d.logp, (0, width - d.logp.shape[1])) for d in decoded]) * response_mask
         if with_entropy:
             entropy = torch.cat([F.pad(d.entropy, (0, width - d.entropy.shape[1])) for d in decoded])  # (B, T)
             rollout.entropy = entropy * response_mask
         if reference is not None:
-            add_logprobs(model, rollout, scored_at, False, reference, logprob_batch_size, False, fast_path)
+            add_logprobs(model, rollout, scored, with_entropy=False, reference=reference, policy=False)
     elif with_logprobs:
-        add_logprobs(model, rollout, scored_at, with_entropy, reference, logprob_batch_size, fast_path=fast_path)
+        add_logprobs(model, rollout, scored, with_entropy=with_entropy, reference=reference)
     return rollout
 
 

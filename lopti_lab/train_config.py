@@ -13,16 +13,17 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
 from lopti_lab.checks import FieldCheck, is_int, is_real
 from lopti_lab.configs import field_docs, from_dict
+from lopti_lab.evaluate import EvalSpec
 from lopti_lab.kk import PROMPT_STYLES
 from lopti_lab.kk.data import split_files
-from lopti_lab.methods import method_label
+from lopti_lab.methods import LOSSES, METHOD_FIELDS, Method, check_switches, method_label
 from lopti_lab.models import (
     DEFAULT_LORA_TARGETS,
     PROMPT_STYLE_KEY,
@@ -31,14 +32,10 @@ from lopti_lab.models import (
     half_full_finetune_error,
     prompt_style_of,
 )
-from lopti_lab.rollout import FAST_PATHS
+from lopti_lab.rollout import FAST_PATHS, SamplingSpec
+from lopti_lab.update import OPTIMIZERS, Objective, OptimizerSpec, UpdateSpec, check_objective
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "LOSSES", "OPTIMIZERS", "RESUMABLE_CHANGES", "TrainConfig"]
-
-OPTIMIZERS = ("adamw", "sgd")
-"""``TrainConfig.optimizer`` choices."""
-LOSSES = ("ppo", "cispo", "clip_cov", "kl_cov")
-"""``TrainConfig.loss`` choices: the paper's clipped loss and the token-level losses after it (token_credit)."""
 
 HUB_PROMPT_STYLES = ("instruct", "base", "chat")
 """The prompt styles any model can take; the others of ``kk.PROMPT_STYLES`` (the quiz styles) are lab models' only."""
@@ -121,73 +118,46 @@ class TrainConfig:
     forward. "lean": require that path (fail if the model cannot take it); "hf": HF everywhere (rollout.FAST_PATHS)"""
 
     # --- optimisation ---
-    optimizer: str = "adamw"
+    optimizer: str = OptimizerSpec.optimizer
     """"adamw" (how the paper trains) or "sgd" (plain SGD, no momentum: the optimizer of the paper's Fig. 1 and Fig. 3
     measurements, under which a token's probability moves with the size of its gradient); with "sgd", betas and
     adam_eps must stay at their defaults"""
-    lr: float = 1e-6
-    """learning rate (the paper: 1e-6 with AdamW and full fine-tuning; LoRA usually wants 1e-5 to 1e-4)"""
-    weight_decay: float = 0.01
-    """weight decay (the paper: 0.01): AdamW's decoupled decay, or SGD's L2 term"""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas"""
-    adam_eps: float = 1e-8
-    """AdamW epsilon (larger values damp the updates of parameters whose gradients are tiny)"""
+    lr: float = OptimizerSpec.lr
+    weight_decay: float = OptimizerSpec.weight_decay
+    betas: tuple[float, float] = OptimizerSpec.betas
+    adam_eps: float = OptimizerSpec.adam_eps
     warmup_steps: int = 0
     """linear learning-rate warmup over the first N RL steps (lr x step / N); 0 = constant lr"""
-    grad_clip: float | None = 1.0
-    """clip the gradient norm of each optimizer step (the paper: 1.0); None = no clipping"""
-    minibatch_size: int = 256
-    """responses per optimizer step (the paper: 256); must divide B"""
+    grad_clip: float | None = UpdateSpec.grad_clip
+    minibatch_size: int = UpdateSpec.minibatch_size
     micro_batch_size: int | None = None
     """responses per forward/backward inside a minibatch (gradient accumulation) and per no-grad log-prob forward;
     None = the whole minibatch"""
-    ppo_epochs: int = 1
-    """passes over the step's batch per stage (the paper: 1)"""
+    ppo_epochs: int = UpdateSpec.ppo_epochs
     max_nonfinite_steps: int = 3
     """stop the run (checkpoint saved, resumable) after this many consecutive RL steps whose update met a NaN/inf loss
     or gradient; such updates are skipped, never applied; 0 = never stop"""
 
-    # --- objective ---
-    advantage_scale: str = "std"
-    """"std": GRPO's (r - mean) / (std + eps) per group; "none": r - mean (Dr. GRPO)"""
-    clip_low: float = 0.2
-    """lower clip range: ratio >= 1 - clip_low (the paper: 0.2)"""
-    clip_high: float = 0.24
-    """upper clip range: ratio <= 1 + clip_high (the paper: 0.24)"""
-    dual_clip: float | None = 10.0
-    """dual-clip constant c > 1 for negative advantages (the paper: 10); None = off"""
-    kl_coef: float = 0.001
-    """k3 KL-to-reference loss coefficient (the paper: 0.001); 0 = no reference forward at all"""
-    ar_alpha: float | None = None
-    """Advantage Reweighting alpha in [0, 1] (the paper: 0.3 on K&K); None = off"""
-    lopti_eta: float | None = None
-    """Lopti threshold in (0, 1): tokens with pi_old < eta are updated first (the paper: 0.5); None = off"""
-    lopti_order: str = "low_first"
-    """"low_first" (Lopti) or "high_first" (the paper's ablation, which collapses)"""
+    # --- objective: the method's switches (declared, documented and checked in methods.Method) and its loss's
+    # settings (update.Objective); a field whose default is Method.x or Objective.x has that field's docstring
+    advantage_scale: str = Objective.advantage_scale
+    clip_low: float = Objective.clip_low
+    clip_high: float = Objective.clip_high
+    dual_clip: float | None = Objective.dual_clip
+    kl_coef: float = Objective.kl_coef
+    ar_alpha: float | None = Method.ar_alpha
+    lopti_eta: float | None = Method.lopti_eta
+    lopti_order: str = Method.lopti_order
 
     # --- the token-level methods after the paper (lopti_lab.token_credit; docs/methods.md) ---
-    loss: str = "ppo"
-    """the policy loss: "ppo" (GRPO's clipped surrogate with the dual clip, the paper's), "cispo" (CISPO: the
-    importance weight clipped and detached, every token keeps its gradient), "clip_cov" (Clip-Cov: a small share of
-    high-covariance tokens' gradient dropped) or "kl_cov" (KL-Cov: |log pi - log pi_old| on the top share by
-    covariance); the dual clip applies to "ppo" only"""
-    cispo_eps_max: float = 5.0
-    """CISPO's cap on the importance weight (MiniMax-M1: 5; TRL's epsilon_high)"""
-    cov_share: float = 0.002
-    """Clip-Cov / KL-Cov: share of the minibatch's response tokens they act on (verl's 2e-4 picks a single token of
-    a lab-sized batch: the lab's default is ten times that)"""
-    clip_cov_band: tuple[float, float] = (1.0, 5.0)
-    """Clip-Cov: the covariance band its tokens are drawn from (verl: 1 to 5)"""
-    kl_cov_coef: float = 1.0
-    """KL-Cov: the coefficient of its |log pi - log pi_old| penalty (verl: 1.0 unless its config sets ppo_kl_coef)"""
-    forking_rho: float | None = None
-    """forking tokens: only the share rho of the step's response tokens with the highest entropy carry the gradient
-    (Wang et al. 2025: 0.2); None = off"""
-    entropy_adv_alpha: float | None = None
-    """entropy-shaped advantage: A + min(alpha * H, |A| / kappa) per token (Cheng et al. 2025); None = off"""
-    entropy_adv_kappa: float = 2.0
-    """the entropy bonus's cap: at most |A| / kappa (kappa > 1, so an advantage never changes sign)"""
+    loss: str = Method.loss
+    cispo_eps_max: float = Objective.cispo_eps_max
+    cov_share: float = Objective.cov_share
+    clip_cov_band: tuple[float, float] = Objective.clip_cov_band
+    kl_cov_coef: float = Objective.kl_cov_coef
+    forking_rho: float | None = Method.forking_rho
+    entropy_adv_alpha: float | None = Method.entropy_adv_alpha
+    entropy_adv_kappa: float = Objective.entropy_adv_kappa
 
     # --- schedule, evaluation, probes, output ---
     steps: int = 100
@@ -198,11 +168,11 @@ class TrainConfig:
     """evaluate every N steps and after the last step; 0 = only after the last step"""
     eval_size: int = 100
     """test puzzles per people count (the test split has 100)"""
-    eval_modes: tuple[str, ...] = ("greedy", "sample")
+    eval_modes: tuple[str, ...] = EvalSpec.modes
     """"greedy" decoding and/or "sample" (eval_samples completions per puzzle at eval_temperature; the paper: both)"""
-    eval_samples: int = 1
+    eval_samples: int = EvalSpec.samples
     """completions per puzzle in the "sample" mode: accuracy is their mean (more samples, less noise)"""
-    eval_temperature: float = 1.0
+    eval_temperature: float = EvalSpec.temperature
     """temperature of the "sample" evaluation (the paper: 1.0)"""
     eval_max_new_tokens: int | None = None
     """response cap at evaluation; None = max_new_tokens"""
@@ -259,7 +229,39 @@ class TrainConfig:
 
     @property
     def optimizer_steps_per_stage(self) -> int:
-        return self.batch_size // self.minibatch_size * self.ppo_epochs
+        return self.update_spec().optimizer_steps_per_stage(self.batch_size)
+
+    # --- the small specs the layers below the trainer take, each carrying the fields of the same names
+
+    def method_spec(self) -> Method:
+        """The method's switches (``methods.Method``), labelled as ``method``."""
+        return Method(self.method, **{name: getattr(self, name) for name in METHOD_FIELDS})
+
+    def objective(self) -> Objective:
+        """What the update optimizes (``update.advantages_and_stages``, ``update.token_loss``)."""
+        return self._carry(Objective, method=self.method_spec())
+
+    def update_spec(self) -> UpdateSpec:
+        """How the update cuts the batch into optimizer steps (``update.update_policy``)."""
+        return self._carry(UpdateSpec, objective=self.objective())
+
+    def optimizer_spec(self) -> OptimizerSpec:
+        return self._carry(OptimizerSpec)
+
+    def sampling(self) -> SamplingSpec:
+        """How rollouts are sampled and scored (``rollout.sample``, ``rollout.add_logprobs``)."""
+        return self._carry(SamplingSpec, batch_size=self.generate_batch_size,
+                           logprob_batch_size=self.logprob_batch_size)  # fmt: skip
+
+    def eval_spec(self) -> EvalSpec:
+        """The run's test evaluations (``evaluate.evaluate``), seeded with the run's seed."""
+        return EvalSpec(prompt_style=self.prompt_style, max_new_tokens=self.eval_max_new_tokens or self.max_new_tokens,
+                        modes=self.eval_modes, samples=self.eval_samples, temperature=self.eval_temperature,
+                        batch_size=self.generate_batch_size, seed=self.seed, fast_path=self.fast_path)  # fmt: skip
+
+    def _carry(self, spec: type, **given):
+        """``spec`` with ``given``, its other fields carried from this config's fields of the same names."""
+        return spec(**given, **{f.name: getattr(self, f.name) for f in fields(spec) if f.name not in given})
 
     def lora_spec(self) -> LoraSpec | None:
         if self.lora_r is None:
@@ -340,7 +342,8 @@ def _validate(c: TrainConfig) -> None:
     # --- optimisation
     check.choice("optimizer", OPTIMIZERS)
     if c.optimizer == "sgd":  # AdamW's own settings would be silently unused
-        for name, default in (("betas", (0.9, 0.999)), ("adam_eps", 1e-8)):
+        for name in ("betas", "adam_eps"):
+            default = getattr(OptimizerSpec, name)
             check.need(getattr(c, name) == default, name, f"is an AdamW setting: with optimizer='sgd' leave it at "
                        f"{default!r}")  # fmt: skip
     check.real("lr", low=0, low_open=True)
@@ -359,26 +362,8 @@ def _validate(c: TrainConfig) -> None:
     check.integer("ppo_epochs", low=1)
     check.integer("max_nonfinite_steps", low=0)
     # --- objective
-    check.choice("advantage_scale", ("std", "none"))
-    check.real("clip_low", 0.0, 1.0, high_open=True)
-    check.real("clip_high", low=0.0)
-    check.real("dual_clip", low=1.0, low_open=True, optional=True)
-    check.real("kl_coef", low=0.0)
-    check.real("ar_alpha", 0.0, 1.0, optional=True)
-    # Lopti stage 1 holds the tokens with pi_old < eta: eta <= 0 empties it, eta >= 1 empties stage 2 (docs/paper.md §4)
-    check.real("lopti_eta", 0.0, 1.0, low_open=True, high_open=True, optional=True)
-    check.choice("lopti_order", ("low_first", "high_first"))
-    # --- the token-level methods after the paper
-    check.choice("loss", LOSSES)
-    check.real("cispo_eps_max", low=1.0, low_open=True)
-    check.real("cov_share", 0.0, 1.0, low_open=True)
-    check.items("clip_cov_band", is_real, "two numbers")
-    band = c.clip_cov_band
-    check.need(len(band) == 2 and band[0] < band[1], "clip_cov_band", "must be two numbers (low, high), low < high")
-    check.real("kl_cov_coef", low=0.0)
-    check.real("forking_rho", 0.0, 1.0, low_open=True, optional=True)
-    check.real("entropy_adv_alpha", low=0.0, low_open=True, optional=True)
-    check.real("entropy_adv_kappa", low=1.0, low_open=True)
+    check_objective(check)
+    check_switches(check)
     # Cui et al.'s covariance is the batch's: inside a Lopti stage (only low, or only high, tokens) it would be a
     # different population's, so the two are not combined
     split = f"{c.loss!r} measures each token's covariance over the minibatch, which a Lopti stage splits: use one"

@@ -39,17 +39,14 @@ from lopti_lab.evaluate import evaluate, score_rollout
 from lopti_lab.kk import Puzzle, build_prompt, load_split
 from lopti_lab.methods import run_name
 from lopti_lab.models import Reference, load_policy, resolve_device, training_dtype
-from lopti_lab.objective import (
-    group_advantages,
-    masked_mean,
-)
+from lopti_lab.objective import group_advantages, masked_mean
 from lopti_lab.plan import fit_to_device
 from lopti_lab.probes import GradientProbe, fig3_metrics, positive_rows, probability_shift, update_logprobs
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.resume import repair_for_resume, resume_point
 from lopti_lab.rollout import Rollout, add_logprobs, sample, use_lean
 from lopti_lab.train_config import TrainConfig
-from lopti_lab.update import advantages_and_stages, build_optimizer, update_policy, uses_entropy
+from lopti_lab.update import UpdateSpec, advantages_and_stages, build_optimizer, update_policy
 
 __all__ = [
     "NonFiniteError",
@@ -81,93 +78,113 @@ def train_step(
     ``probe``: the gradient probe's per-bin shares and the float64 shift of the update (``shift/...``);
     ``measure_shift``: the paper's Fig. 3 measurement of the update (``fig3/...``, ``probes.update_shift``);
     ``scaler``: a float16 policy's loss scaler (``update.update_policy``), kept by the caller across steps."""
-    cfg, group = config, config.group_size
-    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    clock, update = _Clock(model), config.update_spec()
+    method = update.objective.method
     # pi_old before the update: AR weights and Lopti stages read it, a probe bins by it, and a second optimizer step
     # needs it from the weights before the first. Plain GRPO with one optimizer step per rollout gets it exactly from
     # its update forward instead (weights unchanged until the step), which saves a forward pass, as TRL does.
-    needs_old = cfg.ar_alpha is not None or cfg.lopti_eta is not None or probe or measure_shift
-    needs_old = needs_old or cfg.optimizer_steps_per_stage > 1 or uses_entropy(cfg)
+    needs_old = method.ar_alpha is not None or method.lopti_eta is not None or probe or measure_shift
+    needs_old = needs_old or update.optimizer_steps_per_stage(config.batch_size) > 1 or method.uses_entropy
+    rollout = _rollout(model, tokenizer, puzzles, config, reference, needs_old, clock)
+    rewards = score_rollout(rollout, puzzles)
+    clock.mark("time/score", sync=False)
+    totals = torch.tensor([r.total for r in rewards], dtype=torch.float32, device=rollout.response_ids.device)  # (B,)
+    advantages = group_advantages(totals, config.group_size, update.objective.advantage_scale)  # (B,)
+    token_adv, stages, metrics = advantages_and_stages(rollout, advantages, update.objective)
+    step = _Update(model, optimizer, rollout, advantages, token_adv, stages, update, scaler)
+    metrics.update(step.run(config, clock, probe=probe, measure_shift=measure_shift))
+    if rollout.entropy is not None:
+        metrics["policy/entropy"] = masked_mean(rollout.entropy, rollout.response_mask).item()
+    metrics.update(_batch_metrics(rollout, puzzles, rewards, totals, token_adv))
+    return metrics | {key: clock.times[key] for key in ("time/generate", "time/logprob", "time/score", "time/update")}
+
+
+class _Clock:
+    """Wall seconds of each phase of a step; a GPU is synchronized at each mark (its kernels run asynchronously)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+        self.last, self.times = time.perf_counter(), {}
+
+    def mark(self, key: str, sync: bool = True) -> None:
+        """``key`` gets the time since the last mark."""
+        if sync:
+            self.sync()
+        now = time.perf_counter()
+        self.times[key], self.last = now - self.last, now
+
+
+def _rollout(model, tokenizer, puzzles, cfg: TrainConfig, reference, needs_old: bool, clock: _Clock) -> Rollout:
+    """The step's completions, with pi_old when the update needs it and the reference's log-probs when a KL acts."""
+    spec = cfg.sampling()
     # The lean decoder's sampling logits give pi_old for free: the rollout policy at the sampling temperature, which
     # is what the ratio's denominator is (docs/paper.md §2), equal to a forward's log-probs to float32 rounding
-    # (tests/test_decode.py). A probe step too: its probability shift compares two float64 forwards of its own
-    # (shift_logprobs), and pi_old only bins the tokens.
-    from_decode = needs_old and use_lean(model, cfg.fast_path)
-    t0 = time.perf_counter()
+    # (tests/test_decode.py). A probe step too: its probability shift compares two float64 forwards of its own.
+    from_decode = needs_old and use_lean(model, spec.fast_path)
     prompts = [build_prompt(p, cfg.prompt_style, tokenizer) for p in puzzles]
-    rollout = sample(
-        model,
-        tokenizer,
-        prompts,
-        group,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        max_prompt_tokens=cfg.max_prompt_tokens,
-        batch_size=cfg.generate_batch_size,
-        with_logprobs=from_decode,
-        fast_path=cfg.fast_path,
-    )
-    sync()
-    t1 = time.perf_counter()
-    policy = needs_old and rollout.old_logp is None
-    add_logprobs(model, rollout, cfg.temperature, True, reference, cfg.logprob_batch_size, policy, cfg.fast_path)
-    sync()
-    t2 = time.perf_counter()
-    rewards = score_rollout(rollout, puzzles)
-    t3 = time.perf_counter()
+    rollout = sample(model, tokenizer, prompts, cfg.group_size, spec, with_logprobs=from_decode)
+    clock.mark("time/generate")
+    add_logprobs(model, rollout, spec, reference=reference, policy=needs_old and rollout.old_logp is None)
+    clock.mark("time/logprob")
+    return rollout
 
-    device = rollout.response_ids.device
-    mask = rollout.response_mask  # (B, T)
-    totals = torch.tensor([r.total for r in rewards], dtype=torch.float32, device=device)  # (B,)
-    advantages = group_advantages(totals, group, cfg.advantage_scale)  # (B,)
-    token_adv, stages, metrics = advantages_and_stages(rollout, advantages, cfg)
 
-    # every probe_every steps: per-bin gradient shares of the real update (position attribution, probes.py), and
-    # the probability shift it causes, measured between float64 forwards before and after it (shift_metrics)
-    gradient_probe = GradientProbe(model, bins=cfg.probe_bins) if probe else None
-    before = shift_logprobs(model, rollout, cfg) if probe else None
-    t_shift = time.perf_counter()
-    fig3 = Fig3Batch(model, rollout, advantages, cfg) if measure_shift else None
-    t_shift = time.perf_counter() - t_shift
-    scale = scaler.get_scale() if scaler is not None else 1.0  # the probe sees the scaled backward
-    with gradient_probe or nullcontext():
-        metrics.update(update_policy(model, optimizer, rollout, token_adv, stages, cfg, gradient_probe, scaler=scaler))
-    sync()
-    t4 = time.perf_counter()
-    if gradient_probe is not None and metrics["update/optimizer_steps"] > 0:
-        if not metrics.get("amp/skipped_steps"):  # an overflowed backward's record is inf: no bins this step
-            probed = gradient_probe.metrics()
-            metrics.update({k: v / scale if k.startswith("grad/norm_") else v for k, v in probed.items()})
-        metrics.update(shift_metrics(model, rollout, advantages, cfg, before))
-    if fig3 is not None:
-        metrics.update(fig3.after(model))
-        metrics["time/shift"] = t_shift + time.perf_counter() - t4
-    if rollout.entropy is not None:
-        metrics["policy/entropy"] = masked_mean(rollout.entropy, mask).item()
+@dataclass
+class _Update:
+    """The step's update, with the measurements that must bracket it: the gradient probe, its float64 shift, Fig. 3."""
 
-    people = torch.tensor([p.n_people for p in puzzles for _ in range(group)], device=device)  # (B,)
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    rollout: Rollout
+    advantages: torch.Tensor  # (B,) before AR
+    token_adv: torch.Tensor  # (B, T)
+    stages: list
+    spec: UpdateSpec
+    scaler: torch.amp.GradScaler | None
+
+    def run(self, cfg: TrainConfig, clock: _Clock, *, probe: bool, measure_shift: bool) -> dict[str, float]:
+        model, rollout, advantages = self.model, self.rollout, self.advantages
+        # every probe_every steps: per-bin gradient shares of the real update (position attribution, probes.py), and
+        # the probability shift it causes, measured between float64 forwards before and after it (shift_metrics)
+        gradient_probe = GradientProbe(model, bins=cfg.probe_bins) if probe else None
+        before = shift_logprobs(model, rollout, cfg) if probe else None
+        t_shift = time.perf_counter()
+        fig3 = Fig3Batch(model, rollout, advantages, cfg) if measure_shift else None
+        t_shift = time.perf_counter() - t_shift
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0  # the probe sees the scaled backward
+        with gradient_probe or nullcontext():
+            metrics = update_policy(model, self.optimizer, rollout, self.token_adv, self.stages, self.spec,
+                                    gradient_probe, scaler=self.scaler)  # fmt: skip
+        clock.mark("time/update")
+        if gradient_probe is not None and metrics["update/optimizer_steps"] > 0:
+            if not metrics.get("amp/skipped_steps"):  # an overflowed backward's record is inf: no bins this step
+                probed = gradient_probe.metrics()
+                metrics.update({k: v / scale if k.startswith("grad/norm_") else v for k, v in probed.items()})
+            metrics.update(shift_metrics(model, rollout, advantages, cfg, before))
+        if fig3 is not None:
+            metrics.update(fig3.after(model))
+            metrics["time/shift"] = t_shift + time.perf_counter() - clock.last
+        return metrics
+
+
+def _batch_metrics(rollout: Rollout, puzzles, rewards, totals: torch.Tensor, token_adv: torch.Tensor) -> dict:
+    """The batch's rewards, accuracy by people count, formats and lengths."""
+    group, mask = rollout.group_size, rollout.response_mask
+    people = torch.tensor([p.n_people for p in puzzles for _ in range(group)], device=totals.device)  # (B,)
     correct = (totals == 3.0).float()  # (B,)
     grouped = totals.view(-1, group)  # (B/G, G)
-    metrics.update(
-        {
-            "reward/mean": totals.mean().item(),
-            "reward/std": totals.std(correction=0).item(),
-            "acc/all": correct.mean().item(),
-            **{f"acc/{n}ppl": correct[people == n].mean().item() for n in sorted(set(people.tolist()))},
-            "format/error_rate": float(np.mean([r.format_score < 0 for r in rewards])),
-            "len/response_mean": rollout.lengths.mean().item(),
-            "len/response_max": rollout.lengths.max().item(),
-            "len/truncated_share": (~rollout.finished).float().mean().item(),
-            "groups/zero_var_share": (grouped.max(1).values == grouped.min(1).values).float().mean().item(),
-            "adv/abs_mean": masked_mean(token_adv.abs(), mask).item(),
-            "time/generate": t1 - t0,
-            "time/logprob": t2 - t1,
-            "time/score": t3 - t2,
-            "time/update": t4 - t3,
-        }
-    )
-    return metrics
+    return {
+        "reward/mean": totals.mean().item(),
+        "reward/std": totals.std(correction=0).item(),
+        "acc/all": correct.mean().item(),
+        **{f"acc/{n}ppl": correct[people == n].mean().item() for n in sorted(set(people.tolist()))},
+        "format/error_rate": float(np.mean([r.format_score < 0 for r in rewards])),
+        "len/response_mean": rollout.lengths.mean().item(),
+        "len/response_max": rollout.lengths.max().item(),
+        "len/truncated_share": (~rollout.finished).float().mean().item(),
+        "groups/zero_var_share": (grouped.max(1).values == grouped.min(1).values).float().mean().item(),
+        "adv/abs_mean": masked_mean(token_adv.abs(), mask).item(),
+    }
 
 
 class Fig3Batch:
@@ -302,14 +319,13 @@ def train(config: TrainConfig, callbacks: Iterable[Callback] = (), resume: bool 
 
 def _train(cfg: TrainConfig, callbacks: Iterable[Callback], resume: bool) -> TrainResult:
     """``train``'s body, under the folder's writer lock."""
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device)  # a device the machine lacks fails before the run folder is written
     folder = runs.RunFolder(cfg.run_dir)
     point = resume_point(cfg) if resume else None
     if not resume and folder.exists():
         raise runs.RunFolderError(
             f"TrainConfig.run_dir {cfg.run_dir!r} already holds a run; pass resume=True or a new folder"
         )
-
     # data first: cheap, and a missing file fails before any model loads
     stream = PuzzleStream(
         load_split("train", cfg.train_people, cfg.data_root, cfg.train_limit), cfg.prompts_per_step, cfg.seed
@@ -317,78 +333,95 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], resume: bool) -> Tra
     eval_set = load_split("test", cfg.eval_people, cfg.data_root, cfg.eval_size) if cfg.eval_people else []
     if point is None:
         folder.write_config(cfg.to_dict())  # the run exists from here: a kill while the model loads can resume
-
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    dtype = training_dtype(cfg.dtype, device, full_finetune=cfg.lora_r is None)
-    model, tokenizer = load_policy(cfg.model, cfg.lora_spec(), dtype, device, cfg.gradient_checkpointing,
-                                   attn_implementation=cfg.attn_implementation)  # fmt: skip
-    reference = Reference(model) if cfg.kl_coef > 0 else None
-    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
-    # float16 (a GPU below compute capability 8.0): loss scaling, its state checkpointed with the optimizer's
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-
-    start, history = 0, []
+    run = _Run.load(cfg, device, folder, stream, eval_set)
     if point is not None:
-        if point.checkpoint is not None:  # else: the initial weights and the seeded RNG, as a straight run starts
-            start = runs.load_checkpoint(point.checkpoint, model, optimizer, scaler=scaler)
-        repair_for_resume(folder.path, point)
-        for note in point.notes:
-            print(f"resume {folder.path}: {note}", file=sys.stderr)
-        history = list(point.records)
-        folder.write_config(cfg.to_dict())
+        run.resume(point)
+    return run.steps(callbacks)
 
-    stopped = False
-    bar = tqdm(
-        range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc=cfg.method, disable=not cfg.progress
-    )
-    for step in bar:
-        t0 = time.perf_counter()
-        probe = cfg.probe_every > 0 and step % cfg.probe_every == 0
-        for group in optimizer.param_groups:  # a function of the step alone, so a resumed run continues it exactly
+
+@dataclass
+class _Run:
+    """A run's state between steps: the policy, its optimizer (and float16 loss scaler), the records so far."""
+
+    cfg: TrainConfig
+    folder: runs.RunFolder
+    stream: PuzzleStream
+    eval_set: list
+    model: torch.nn.Module
+    tokenizer: Any
+    reference: Reference | None
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    start: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, cfg: TrainConfig, device, folder: runs.RunFolder, stream: PuzzleStream, eval_set: list) -> _Run:
+        """The policy as a fresh run starts it: seeded, loaded, with its optimizer."""
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        dtype = training_dtype(cfg.dtype, device, full_finetune=cfg.lora_r is None)
+        model, tokenizer = load_policy(cfg.model, cfg.lora_spec(), dtype, device, cfg.gradient_checkpointing,
+                                       attn_implementation=cfg.attn_implementation)  # fmt: skip
+        reference = Reference(model) if cfg.kl_coef > 0 else None
+        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer_spec())
+        # float16 (a GPU below compute capability 8.0): loss scaling, its state checkpointed with the optimizer's
+        scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        return cls(cfg, folder, stream, eval_set, model, tokenizer, reference, optimizer, scaler)
+
+    def resume(self, point) -> None:
+        """Continue from a checked resume point: its checkpoint's weights, optimizer and scaler, its records."""
+        if point.checkpoint is not None:  # else: the initial weights and the seeded RNG, as a straight run starts
+            self.start = runs.load_checkpoint(point.checkpoint, self.model, self.optimizer, scaler=self.scaler)
+        repair_for_resume(self.folder.path, point)
+        for note in point.notes:
+            print(f"resume {self.folder.path}: {note}", file=sys.stderr)
+        self.history = list(point.records)
+        self.folder.write_config(self.cfg.to_dict())
+
+    def step(self, step: int) -> dict:
+        """One RL step at its learning rate, its test evaluation when due; its metrics, logged."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        for group in self.optimizer.param_groups:  # a function of the step alone, so a resumed run continues it
             group["lr"] = learning_rate(cfg, step)
+        probe = cfg.probe_every > 0 and step % cfg.probe_every == 0
         measure = cfg.shift_every > 0 and step % cfg.shift_every == 0
-        batch = stream.batch(step)
-        metrics = {
-            "step": step,
-            **train_step(model, tokenizer, optimizer, batch, cfg, reference, probe, measure, scaler=scaler),
-        }
-        if eval_set and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+        metrics = {"step": step, **train_step(self.model, self.tokenizer, self.optimizer, self.stream.batch(step), cfg,
+                                              self.reference, probe, measure, scaler=self.scaler)}  # fmt: skip
+        if self.eval_set and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             t_eval = time.perf_counter()
-            metrics.update(
-                evaluate(
-                    model,
-                    tokenizer,
-                    eval_set,
-                    prompt_style=cfg.prompt_style,
-                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-                    modes=cfg.eval_modes,
-                    samples=cfg.eval_samples,
-                    temperature=cfg.eval_temperature,
-                    batch_size=cfg.generate_batch_size,
-                    seed=cfg.seed,
-                    fast_path=cfg.fast_path,
-                )
-            )
+            metrics.update(evaluate(self.model, self.tokenizer, self.eval_set, cfg.eval_spec()))
             metrics["time/eval"] = time.perf_counter() - t_eval
         metrics["time/step"] = time.perf_counter() - t0
-        folder.log(metrics)
-        history.append(metrics)
-        stopped = any([bool(callback(metrics)) for callback in callbacks])  # every callback sees every step
-        sick = _nonfinite_streak(history)
-        halt = bool(cfg.max_nonfinite_steps) and sick >= cfg.max_nonfinite_steps
-        if stopped or halt or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-            runs.save_checkpoint(folder.path, step, model, optimizer, tokenizer, scaler=scaler)
-        bar.set_postfix({"reward": f"{metrics['reward/mean']:.2f}", "acc": f"{metrics['acc/all']:.2f}"})
-        if halt:
-            bar.close()
-            result = TrainResult(folder.path, model, tokenizer, cfg, history, stopped=True)
-            raise NonFiniteError(_nonfinite_message(cfg, step, sick), result)
-        if stopped:
-            break
-    bar.close()
-    return TrainResult(folder.path, model, tokenizer, cfg, history, stopped and history[-1]["step"] < cfg.steps)
+        self.folder.log(metrics)
+        self.history.append(metrics)
+        return metrics
+
+    def steps(self, callbacks: Iterable[Callback]) -> TrainResult:
+        """Every step from the start to ``cfg.steps``, checkpointing as configured, until a callback asks to stop."""
+        cfg, stopped = self.cfg, False
+        bar = tqdm(range(self.start + 1, cfg.steps + 1), initial=self.start, total=cfg.steps, desc=cfg.method,
+                   disable=not cfg.progress)  # fmt: skip
+        for step in bar:
+            metrics = self.step(step)
+            stopped = any([bool(callback(metrics)) for callback in callbacks])  # every callback sees every step
+            sick = _nonfinite_streak(self.history)
+            halt = bool(cfg.max_nonfinite_steps) and sick >= cfg.max_nonfinite_steps
+            if stopped or halt or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                runs.save_checkpoint(self.folder.path, step, self.model, self.optimizer, self.tokenizer,
+                                     scaler=self.scaler)  # fmt: skip
+            bar.set_postfix({"reward": f"{metrics['reward/mean']:.2f}", "acc": f"{metrics['acc/all']:.2f}"})
+            if halt:
+                bar.close()
+                raise NonFiniteError(_nonfinite_message(cfg, step, sick), self.result(stopped=True))
+            if stopped:
+                break
+        bar.close()
+        return self.result(stopped=stopped and self.history[-1]["step"] < cfg.steps)
+
+    def result(self, stopped: bool) -> TrainResult:
+        return TrainResult(self.folder.path, self.model, self.tokenizer, self.cfg, self.history, stopped)
 
 
 def _nonfinite_streak(history: Sequence[Mapping]) -> int:

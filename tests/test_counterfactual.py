@@ -11,13 +11,13 @@ from lopti_lab.counterfactual import (
     attribution_tables,
     counterfactual,
     method_probes,
-    whole_batch_config,
 )
 from lopti_lab.kk import build_prompt, load_split
 from lopti_lab.methods import METHODS
 from lopti_lab.models import LoraSpec, load_policy
 from lopti_lab.objective import group_advantages
 from lopti_lab.rollout import response_logprobs, sample
+from lopti_lab.update import OptimizerSpec
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_counterfactual_adamw_uses_the_runs_epsilon(policy, batch):
 
     def delta_p(optimizer, lr, eps):
         cf = counterfactual(
-            model, batch, {"GRPO": {}}, lr=lr, optimizer=optimizer, base=whole_batch_config(batch, adam_eps=eps)
+            model, batch, {"GRPO": {}}, lr=lr, optimizer=optimizer, adamw=OptimizerSpec(adam_eps=eps)
         )
         return torch.tensor(cf.tokens.sort_values(["seq", "pos"])["delta_p"].to_numpy())
 

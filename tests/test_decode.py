@@ -287,7 +287,7 @@ def test_lean_sample_keeps_the_rollout_contract(tok):
         else:
             assert n == T == 16
     assert r.finished.any() and r.lengths.min() < r.lengths.max()
-    forward = add_logprobs(model, r.select(slice(0, B)), 0.7, fast_path="hf")
+    forward = add_logprobs(model, r.select(slice(0, B)), temperature=0.7, fast_path="hf")
     torch.testing.assert_close(r.old_logp, forward.old_logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(r.entropy, forward.entropy, atol=1e-5, rtol=0)
     assert not r.old_logp.is_inference()

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from lopti_lab import runs
-from lopti_lab.studies import run as demo_run
-from lopti_lab.studies import tables as demo_tables
-from lopti_lab.studies.config import DemoConfig, HardLabConfig, demo_train
 from lopti_lab.methods import METHODS, PAPER
 from lopti_lab.models import load_policy
 from lopti_lab.paths import lab_model_dir
+from lopti_lab.studies import run as demo_run
+from lopti_lab.studies import tables as demo_tables
+from lopti_lab.studies.config import DemoConfig, HardLabConfig, demo_train
 
 LAB = lab_model_dir() / "config.json"
 

@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 
 from lopti_lab import plots_methods, runs
+from lopti_lab.paths import data_dir, shown
 from lopti_lab.studies import curves
 from lopti_lab.studies import report as demo_report
 from lopti_lab.studies.config import HardLabConfig
-from lopti_lab.paths import data_dir, shown
 
 T4 = 2.7764451  # t(0.975, 4)
 T2 = 4.3026527  # t(0.975, 2)

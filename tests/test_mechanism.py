@@ -11,13 +11,13 @@ import torch
 
 from lopti_lab import runs
 from lopti_lab.counterfactual import FrozenBatch
-from lopti_lab.studies import mechanism
-from lopti_lab.studies.mechanism import OPTIMIZER_SETTINGS, MechanismConfig
 from lopti_lab.kk import build_prompt, load_split
 from lopti_lab.models import LoraSpec, load_policy
 from lopti_lab.objective import group_advantages
 from lopti_lab.paths import lab_model_dir
 from lopti_lab.rollout import sample
+from lopti_lab.studies import mechanism
+from lopti_lab.studies.mechanism import OPTIMIZER_SETTINGS, MechanismConfig
 
 
 def test_every_run_takes_its_optimizer_setting_and_shares_the_rest(tmp_path):

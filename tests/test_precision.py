@@ -185,7 +185,7 @@ def test_an_overflowed_step_is_skipped_logged_and_the_next_runs_at_a_lower_scale
     before = trainable_state_dict(model)
 
     hooks = _inject_inf(model)
-    metrics = update_policy(model, optimizer, rollout, advantages, stages, cfg, scaler=scaler)
+    metrics = update_policy(model, optimizer, rollout, advantages, stages, cfg.update_spec(), scaler=scaler)
     for hook in hooks:
         hook.remove()
     assert metrics["amp/skipped_steps"] == 1.0 and metrics["update/optimizer_steps"] == 0.0
@@ -197,7 +197,7 @@ def test_an_overflowed_step_is_skipped_logged_and_the_next_runs_at_a_lower_scale
     used = []
     real_scale = scaler.scale
     scaler.scale = lambda loss: used.append(scaler.get_scale()) or real_scale(loss)
-    metrics = update_policy(model, optimizer, rollout, advantages, stages, cfg, scaler=scaler)
+    metrics = update_policy(model, optimizer, rollout, advantages, stages, cfg.update_spec(), scaler=scaler)
     assert used == [32768.0]  # the next step's backward ran at the lowered scale
     assert metrics["amp/skipped_steps"] == 0.0 and metrics["update/optimizer_steps"] == 1.0
     assert any(not torch.equal(before[n], p) for n, p in trainable_state_dict(model).items())
@@ -208,7 +208,7 @@ def test_without_a_scaler_a_nonfinite_gradient_still_ends_the_step(model_dir):
     model, rollout, advantages, stages, cfg = _fp16_update_setup(model_dir, dtype="float32")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     _inject_inf(model)
-    metrics = update_policy(model, optimizer, rollout, advantages, stages, cfg)
+    metrics = update_policy(model, optimizer, rollout, advantages, stages, cfg.update_spec())
     assert metrics["skipped/nonfinite"] == 1.0 and "amp/scale" not in metrics and not optimizer.state
 
 
@@ -219,7 +219,7 @@ def test_an_overflow_at_scale_one_is_nonfinite(model_dir):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     _inject_inf(model)
     scaler = GradScaler("cpu", init_scale=1.0)
-    metrics = update_policy(model, optimizer, rollout, advantages, stages, cfg, scaler=scaler)
+    metrics = update_policy(model, optimizer, rollout, advantages, stages, cfg.update_spec(), scaler=scaler)
     assert metrics["skipped/nonfinite"] == 1.0 and metrics["amp/skipped_steps"] == 1.0 and not optimizer.state
 
 

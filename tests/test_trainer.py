@@ -190,11 +190,11 @@ def test_resume_reproduces_a_straight_run(config, tmp_path, optimizer):
 def test_sgd_is_plain_sgd_without_momentum():
     """optimizer="sgd": each step moves a weight by lr x (its gradient + weight_decay x weight) and nothing else, no
     momentum from the step before (the paper's Fig. 1 / Fig. 3 optimizer); AdamW-only settings are refused by name."""
-    from lopti_lab.update import build_optimizer
+    from lopti_lab.update import OptimizerSpec, build_optimizer
 
     weight = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
     cfg = TrainConfig(optimizer="sgd", lr=0.1, weight_decay=0.01)
-    optimizer = build_optimizer([weight], cfg)
+    optimizer = build_optimizer([weight], cfg.optimizer_spec())
     assert isinstance(optimizer, torch.optim.SGD)
     expected = weight.detach().clone()
     for grad in (torch.tensor([0.5, 0.0, -1.0]), torch.tensor([0.0, 2.0, 0.0])):
@@ -202,7 +202,7 @@ def test_sgd_is_plain_sgd_without_momentum():
         optimizer.step()
         expected = expected - 0.1 * (grad + 0.01 * expected)
         torch.testing.assert_close(weight.detach(), expected, rtol=0, atol=1e-7)
-    assert isinstance(build_optimizer([weight], TrainConfig()), torch.optim.AdamW)
+    assert isinstance(build_optimizer([weight], OptimizerSpec()), torch.optim.AdamW)
     with pytest.raises(ValueError, match=r"TrainConfig\.adam_eps is an AdamW setting"):
         TrainConfig(optimizer="sgd", adam_eps=1e-3)
     with pytest.raises(ValueError, match=r"TrainConfig\.optimizer must be one of"):
@@ -431,7 +431,7 @@ def test_single_step_grpo_reuses_its_update_forward_as_pi_old(config, tmp_path, 
         log_ratios.append((logp.detach() - old_logp).abs().max().item())
         return real_loss(logp, old_logp, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "add_logprobs", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
+    monkeypatch.setattr(trainer, "add_logprobs", lambda *a, **k: calls.append(k["policy"]) or real(*a, **k))
     fast = train(replace(cfg, run_dir=str(tmp_path / "fast")))
     monkeypatch.setattr(update, "policy_loss", spy_loss)
     slow = train(replace(cfg, run_dir=str(tmp_path / "slow"), ar_alpha=0.0))
@@ -607,7 +607,8 @@ def test_update_runs_only_rows_with_a_gradient_and_moves_weights_as_the_full_upd
     monkeypatch.setattr(update, "response_logprobs", counting_forward)
     finished = torch.ones(B, dtype=torch.bool)
     rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, [""] * B, group, finished, old_logp)
-    metrics = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.5), rollout, token_adv, stages, cfg)
+    metrics = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.5), rollout, token_adv, stages,
+                            cfg.update_spec())
 
     assert metrics["update/optimizer_steps"] == 2 * len(stages)
     assert sum(forwarded) < B * len(stages)  # the zero-advantage rows were never run

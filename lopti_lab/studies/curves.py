@@ -20,8 +20,8 @@ import numpy as np
 import pandas as pd
 
 from lopti_lab import runs
-from lopti_lab.studies.stats import ci95
 from lopti_lab.paths import data_dir
+from lopti_lab.studies.stats import ci95
 
 __all__ = ["GRPO_ROW", "RECORDED", "WARM", "area_under_curve", "last_evaluations", "late_gain", "model_name",
            "paired_over_steps", "recorded_study", "seed_bands", "test_curves"]  # fmt: skip

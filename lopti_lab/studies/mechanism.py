@@ -34,15 +34,15 @@ import torch
 from lopti_lab import durable, plots, runs
 from lopti_lab.bins import DEFAULT_BINS
 from lopti_lab.checks import FieldCheck, is_real
-from lopti_lab.counterfactual import FrozenBatch, counterfactual, frozen_batch, whole_batch_config
-from lopti_lab.studies.config import DEMO_TRAIN, StudyConfig
-from lopti_lab.studies.stats import ci95
+from lopti_lab.counterfactual import FrozenBatch, counterfactual, frozen_batch, whole_batch_update
 from lopti_lab.kk import load_split
 from lopti_lab.methods import LOPTI_ETA, METHODS, run_name
 from lopti_lab.models import load_policy
 from lopti_lab.paths import data_dir
 from lopti_lab.pool import finished, train_while
 from lopti_lab.probes import selective_sweep, selective_updates
+from lopti_lab.studies.config import DEMO_TRAIN, StudyConfig
+from lopti_lab.studies.stats import ci95
 from lopti_lab.train_config import TrainConfig
 
 __all__ = [
@@ -238,10 +238,10 @@ def step_size_scan(model, batch: FrozenBatch, step_sizes, eta: float = LOPTI_ETA
         "GRPO": METHODS["GRPO"].overrides(),
         "GRPO+Lopti": METHODS["GRPO+Lopti"].with_settings(lopti_eta=eta).overrides(),
     }
-    base = whole_batch_config(batch, grad_clip=None)
+    update = whole_batch_update(batch, grad_clip=None)
     rows = []
     for lr in step_sizes:
-        shift = counterfactual(model, batch, pair, lr=lr, optimizer="sgd", base=base)
+        shift = counterfactual(model, batch, pair, lr=lr, optimizer="sgd", update=update)
         by = {m: t.sort_values(["seq", "pos"]) for m, t in shift.tokens.groupby("method")}
         g, lop = by["GRPO"]["dlogp"].to_numpy(), by["GRPO+Lopti"]["dlogp"].to_numpy()
         top = shift.bins[(shift.bins["sign"] == "pos") & (shift.bins["bin"] == shift.bins["bin"].max())]

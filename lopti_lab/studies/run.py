@@ -20,14 +20,14 @@ import torch
 
 from lopti_lab import durable, runs
 from lopti_lab.counterfactual import Counterfactual, counterfactual, frozen_batch
-from lopti_lab.studies.config import DemoConfig
-from lopti_lab.studies.report import write_report
 from lopti_lab.kk import load_split
 from lopti_lab.lab.evaluate import evaluate_warm_start
 from lopti_lab.methods import METHODS
 from lopti_lab.models import load_policy, model_path
 from lopti_lab.paths import cache_dir
 from lopti_lab.pool import finished, train_while
+from lopti_lab.studies.config import DemoConfig
+from lopti_lab.studies.report import write_report
 from lopti_lab.train_config import TrainConfig
 
 __all__ = ["WARM_START_CACHE", "run_demo", "warm_start_eval"]
@@ -79,7 +79,8 @@ def _warm_start_and_counterfactual(config: DemoConfig, base: TrainConfig) -> tup
         {m: METHODS[m].overrides() for m in config.methods},
         lr=base.lr,
         optimizer="adamw",
-        base=replace(base, prompts_per_step=len(batch.puzzles), minibatch_size=len(batch.rollout)),
+        update=replace(base.update_spec(), minibatch_size=len(batch.rollout)),
+        adamw=base.optimizer_spec(),
     )
     return warm, shift
 

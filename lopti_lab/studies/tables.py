@@ -16,10 +16,10 @@ from pathlib import Path
 import pandas as pd
 
 from lopti_lab import runs
+from lopti_lab.paths import data_dir
 from lopti_lab.studies.config import DemoConfig
 from lopti_lab.studies.curves import GRPO_ROW, WARM, model_name
 from lopti_lab.studies.stats import ci95
-from lopti_lab.paths import data_dir
 
 __all__ = ["accuracy_markdown", "accuracy_table", "by_seed", "compare_methods", "gains_markdown", "gains_per_seed",
            "paired_intervals", "paired_per_seed", "paired_vs_grpo", "recorded_comparison", "se_line",
