@@ -293,7 +293,12 @@ def _validate(c: TrainConfig) -> None:
     of every field with the bad values tried and the error each gets (``python tests/bad_input_table.py``).
     """
     check = FieldCheck(c)
-    # --- model
+    for section in (_check_model, _check_data, _check_rollout, _check_optimisation, _check_objective, _check_schedule):
+        section(c, check)
+
+
+def _check_model(c: TrainConfig, check: FieldCheck) -> None:
+    """The model, its adapters, dtype, device and attention kernel."""
     check.text("model")
     try:
         check_model_name(c.model)
@@ -310,7 +315,10 @@ def _validate(c: TrainConfig) -> None:
     check.need(c.device == "auto" or _is_device(c.device), "device", "must be 'auto' or a torch device ('cuda:1')")
     check.flag("gradient_checkpointing")
     check.choice("attn_implementation", ATTN_IMPLEMENTATIONS)
-    # --- data
+
+
+def _check_data(c: TrainConfig, check: FieldCheck) -> None:
+    """The prompt style (resolved here when None) and the K&K data."""
     try:
         own = prompt_style_of(c.model)  # the prompt a lab model was trained on (None: the model names none)
     except (OSError, ValueError) as err:
@@ -330,7 +338,10 @@ def _validate(c: TrainConfig) -> None:
     check.text("data_root", optional=True)
     check.need(c.data_root is None or Path(c.data_root).is_dir(), "data_root", "must be an existing folder or None")
     check.integer("train_limit", low=1, optional=True)
-    # --- rollout
+
+
+def _check_rollout(c: TrainConfig, check: FieldCheck) -> None:
+    """Sampling settings."""
     check.integer("prompts_per_step", low=1)
     check.integer("group_size", low=2)  # GRPO's advantage is relative to a group
     check.real("temperature", low=0, low_open=True)
@@ -339,7 +350,10 @@ def _validate(c: TrainConfig) -> None:
     check.integer("max_prompt_tokens", low=1, optional=True)
     check.integer("generate_batch_size", low=1, optional=True)
     check.choice("fast_path", FAST_PATHS)
-    # --- optimisation
+
+
+def _check_optimisation(c: TrainConfig, check: FieldCheck) -> None:
+    """The optimizer and how the batch is cut into optimizer steps."""
     check.choice("optimizer", OPTIMIZERS)
     if c.optimizer == "sgd":  # AdamW's own settings would be silently unused
         for name in ("betas", "adam_eps"):
@@ -361,14 +375,20 @@ def _validate(c: TrainConfig) -> None:
     check.need(micro is None or c.minibatch_size % micro == 0, "micro_batch_size", "must divide minibatch_size")
     check.integer("ppo_epochs", low=1)
     check.integer("max_nonfinite_steps", low=0)
-    # --- objective
+
+
+def _check_objective(c: TrainConfig, check: FieldCheck) -> None:
+    """The loss's settings and the method's switches (one check each, shared with the specs)."""
     check_objective(check)
     check_switches(check)
     # Cui et al.'s covariance is the batch's: inside a Lopti stage (only low, or only high, tokens) it would be a
     # different population's, so the two are not combined
     split = f"{c.loss!r} measures each token's covariance over the minibatch, which a Lopti stage splits: use one"
     check.need(c.loss not in ("clip_cov", "kl_cov") or c.lopti_eta is None, "loss", split)
-    # --- schedule, evaluation, probes, output
+
+
+def _check_schedule(c: TrainConfig, check: FieldCheck) -> None:
+    """Steps, seed, evaluation, probes, output; the data files last (it touches the disk)."""
     check.integer("steps", low=1)
     check.integer("seed", 0, 2**32 - 1)  # numpy's seed range
     check.integer("eval_every", low=0)
@@ -396,7 +416,6 @@ def _validate(c: TrainConfig) -> None:
             split_files(split, getattr(c, name), c.data_root) if getattr(c, name) else None
         except FileNotFoundError as err:
             raise ValueError(f"TrainConfig.{name}: {err}") from None
-
 
 def _people_count(n) -> bool:
     return is_int(n) and n >= 2

@@ -5,6 +5,8 @@ trl    ``LoptiGRPOTrainer``: TRL's GRPOTrainer with Advantage Reweighting and Lo
        (needs the optional extra: ``pip install "lopti-lab[trl]"``)
 verl   ``compute_score``: the K&K reward with verl's custom reward signature, for our parquet export; the module
        docstring says where AR and Lopti go in verl's GRPO
+engines  AR and Lopti in the forms other engines' extension points take (verl's registered policy loss, prime-rl's
+       custom loss, per-token advantages and loss weights); docs/engines.md says where each hook goes
 
 Nothing is imported here, so ``import lopti_lab.integrations`` works without TRL installed.
 """

@@ -31,6 +31,10 @@ Where AR and Lopti go (docs/paper.md §3-4; the paper's code is a fork of verl 0
    the KL (and entropy) terms by the stage mask too, and keep the token-mean denominator counting every response
    token (the stage mask must not reach the loss aggregation's mask argument). The paper's fork does this with a
    ``kl_entropy_mask`` batch key multiplied into the KL and entropy terms.
+
+``integrations.engines`` has these as functions (``ar_advantages``, ``lopti_stage_advantages``) and AR as a policy
+loss for verl's ``register_policy_loss`` (``verl_policy_loss``); docs/engines.md says where each goes in verl,
+OpenRLHF and prime-rl, read from their source.
 """
 
 from __future__ import annotations
