@@ -62,8 +62,9 @@ class FieldCheck:
         value, skip = self._optional(name, optional)
         if skip:
             return
-        what = "must be an int" + (f" {_bounds(low, high, False, False)}" if low is not None or high else "")
-        self.need(is_int(value) and _in_range(value, low, high, False, False), name, what + _or_none(optional))
+        closed = {"low_open": False, "high_open": False}
+        what = "must be an int" + (f" {_bounds(low, high, **closed)}" if low is not None or high else "")
+        self.need(is_int(value) and _in_range(value, low, high, **closed), name, what + _or_none(optional))
 
     def real(
         self,

@@ -436,7 +436,8 @@ def _plan_settings() -> dict:
     from lopti_lab.train_config import TrainConfig
 
     def notebook(model: str):
-        return training_defaults(Environment(False, "cuda", model, 16, "instruct", quick=False))
+        env = Environment(in_colab=False, device="cuda", model=model, lora_r=16, prompt_style="instruct", quick=False)
+        return training_defaults(env)
 
     return {"notebook": notebook, "paper": lambda model: TrainConfig(model=model, lora_r=None)}
 

@@ -242,10 +242,10 @@ def add_logprobs(
     try:
         with torch.inference_mode():
             if policy:
-                old_logp, entropy = run(model, with_entropy)
+                old_logp, entropy = run(model, entropy=with_entropy)
             if reference is not None:
                 with reference() as ref_model:
-                    ref_logp, _ = run(ref_model, False)
+                    ref_logp, _ = run(ref_model, entropy=False)
     finally:
         model.train(was_training)
     # clones leave inference mode, so the update can use these tensors inside autograd
@@ -257,15 +257,13 @@ def add_logprobs(
 
 
 CPU_GENERATE_ROWS = 64
-"""Rows per generate call on a CPU when the caller sets none. Measured on the 2-core machine with the lab model
-(400 sampled completions of 3-person puzzles, 200 new tokens, 2 threads): 13.9 s in calls of 64 rows, 15.8 s of 32,
-17.0 s of 128, and over 10 minutes in one call of 400 (the KV cache, copied at every token, outgrows the caches).
-The lean decoder writes its cache in place, so it takes as many rows per call as LEAN_CACHE_BYTES of cache holds."""
+"""Rows per HF generate call on a CPU when the caller sets none: HF copies its KV cache at every token, so larger calls
+outgrow the CPU's caches (the fastest size measured: benchmarks/README.md). The lean decoder writes its cache in place,
+so it takes as many rows per call as LEAN_CACHE_BYTES of cache holds."""
 
 LEAN_CACHE_BYTES = 2**30
-"""KV-cache budget of one lean decode call (rows per call when the caller sets none). Measured on the 2-core machine
-(lab model, 400 sampled completions, 1 thread, CPU seconds): 22.3 s in calls of 64 rows, 19.8 of 128, 18.7 of 400
-(fewer calls: fewer steps whose cost is mostly reading the weights once)."""
+"""KV-cache budget of one lean decode call (rows per call when the caller sets none): fewer, wider calls pay the cost of
+reading the weights once per token fewer times (benchmarks/README.md)."""
 
 
 def _lean_rows(model, n_prompt: int, max_new_tokens: int) -> int:
@@ -343,27 +341,37 @@ def sample(
                 )
     finally:
         model.train(was_training)
-    width = max(c.shape[1] for c in chunks)
-    pad = tokenizer.pad_token_id
-    response_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad) for c in chunks]).clone()  # (B, T)
-    # mask up to and including the first stop token; a row with none ran to max_new_tokens (all real)
-    is_stop = torch.isin(response_ids, torch.tensor(stops, device=device))  # (B, T)
-    first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), width)  # (B,)
-    response_mask = (torch.arange(width, device=device)[None, :] <= first_stop[:, None]).float()  # (B, T)
-    rows, ends = response_ids.tolist(), first_stop.tolist()  # one copy to the host, not one per row
-    texts = tokenizer.batch_decode([row[:n] for row, n in zip(rows, ends, strict=True)])
-    rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, texts, group_size, is_stop.any(1))
+    rollout = _assemble(tokenizer, chunks, prompt_ids, prompt_mask, stops, group_size)
     scored = replace(spec, temperature=1.0 if greedy else spec.temperature)
     if lean and with_logprobs:  # pi_old read off the sampling logits: the rollout policy at its temperature
-        rollout.old_logp = torch.cat([F.pad(d.logp, (0, width - d.logp.shape[1])) for d in decoded]) * response_mask
-        if with_entropy:
-            entropy = torch.cat([F.pad(d.entropy, (0, width - d.entropy.shape[1])) for d in decoded])  # (B, T)
-            rollout.entropy = entropy * response_mask
+        _decoded_logprobs(rollout, decoded, with_entropy=with_entropy)
         if reference is not None:
             add_logprobs(model, rollout, scored, with_entropy=False, reference=reference, policy=False)
     elif with_logprobs:
         add_logprobs(model, rollout, scored, with_entropy=with_entropy, reference=reference)
     return rollout
+
+
+def _assemble(tokenizer, chunks: list, prompt_ids, prompt_mask, stops: list[int], group_size: int) -> Rollout:
+    """The generated tokens of every call, right-padded into one (B, T) batch, masked up to and including each row's
+    first stop token (a row with none ran to max_new_tokens: all real), and decoded."""
+    width, pad, device = max(c.shape[1] for c in chunks), tokenizer.pad_token_id, prompt_ids.device
+    response_ids = torch.cat([F.pad(c, (0, width - c.shape[1]), value=pad) for c in chunks]).clone()  # (B, T)
+    is_stop = torch.isin(response_ids, torch.tensor(stops, device=device))  # (B, T)
+    first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), width)  # (B,)
+    response_mask = (torch.arange(width, device=device)[None, :] <= first_stop[:, None]).float()  # (B, T)
+    rows, ends = response_ids.tolist(), first_stop.tolist()  # one copy to the host, not one per row
+    texts = tokenizer.batch_decode([row[:n] for row, n in zip(rows, ends, strict=True)])
+    return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, texts, group_size, is_stop.any(1))
+
+
+def _decoded_logprobs(rollout: Rollout, decoded: list, *, with_entropy: bool) -> None:
+    """pi_old (and the entropy) of the lean decoder's calls, padded to the rollout's width, zero on padding."""
+    width, mask = rollout.response_ids.shape[1], rollout.response_mask
+    rollout.old_logp = torch.cat([F.pad(d.logp, (0, width - d.logp.shape[1])) for d in decoded]) * mask
+    if with_entropy:
+        entropy = torch.cat([F.pad(d.entropy, (0, width - d.entropy.shape[1])) for d in decoded])  # (B, T)
+        rollout.entropy = entropy * mask
 
 
 def _lean_generate(model, ids, mask, group_size, rows_per_call, stops, pad_id, with_logprobs, **decode) -> list:

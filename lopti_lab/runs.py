@@ -396,9 +396,9 @@ class Line:
 def lines_of(file: Path) -> list[Line]:
     """The lines of a file as bytes: b'a\\nb' -> [Line(1, b'a', True), Line(2, b'b', False)]."""
     parts = file.read_bytes().split(b"\n")
-    lines = [Line(i, raw, True) for i, raw in enumerate(parts[:-1], 1)]
+    lines = [Line(i, raw, terminated=True) for i, raw in enumerate(parts[:-1], 1)]
     if parts[-1]:
-        lines.append(Line(len(parts), parts[-1], False))
+        lines.append(Line(len(parts), parts[-1], terminated=False))
     return lines
 
 

@@ -184,9 +184,8 @@ class TrainConfig:
     forwards before and after it (keys fig3/...); 0 = off"""
     shift_rows: int | None = 4
     """at most this many positive-advantage rollouts measured per Fig. 3 step, evenly spaced over them (no random
-    draw; its four forwards cost in proportion to the rows, the two float64 ones most: 4 rows keep a demo step at
-    1.09x, benchmarks/README.md); None = all of them, as the paper's code (and
-    `lopti-lab mechanism`) measures"""
+    draw; its four forwards cost in proportion to the rows, the two float64 ones most: a few rows keep its cost small,
+    benchmarks/README.md); None = all of them, as the paper's code (and `lopti-lab mechanism`) measures"""
     probe_bins: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     """edges of the probability bins of the probes (the paper's Fig. 1: quarters)"""
     save_every: int = 50

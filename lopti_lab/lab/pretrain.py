@@ -44,10 +44,8 @@ AUTOCAST = ("auto", "bfloat16", "float32")
 
 def native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     """Whether this CPU has bf16 matmul instructions (avx512_bf16 or amx_bf16 among the flags of ``cpuinfo``, Linux's
-    list). Without them torch's CPU bf16 kernels are slow: a warm-start step of the bundled recipe took 48 s under
-    bf16 autocast against 2.2 s in float32 on an AMD EPYC with AVX2 only (2026-12-04, 22x), where a CPU with
-    AVX512-BF16 ran it 1.7x faster than float32 (benchmarks/README.md). False where the file cannot be read (macOS,
-    Windows)."""
+    list). Without them torch's CPU bf16 kernels are far slower than float32 (benchmarks/README.md has the timings).
+    False where the file cannot be read (macOS, Windows)."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
@@ -120,8 +118,8 @@ class PretrainConfig:
     schedule; None: random weights (``lab.model.build_model``)."""
     autocast: str = "auto"
     """Precision of the training forward and backward: "bfloat16" (torch.autocast: matmuls in bf16, weights, loss
-    and optimizer in float32; 1.7x faster steps on a CPU with AVX512-BF16, measured in benchmarks/README.md, but 22x
-    slower on one without), "float32" (how models recorded before this field were trained), or "auto": bfloat16 where
+    and optimizer in float32; faster than float32 on a CPU with AVX512-BF16, far slower on one without:
+    benchmarks/README.md), "float32" (how models recorded before this field were trained), or "auto": bfloat16 where
     the CPU has bf16 instructions, else float32 (``training_precision``; the saved record names the one that ran).
     Evaluations always run in float32."""
 

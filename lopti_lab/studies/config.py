@@ -56,10 +56,9 @@ DEMO_TRAIN = {
 """The demo's TrainConfig fields where they differ from TrainConfig's defaults (docs/demo.md gives the reasons):
 the bundled lab model with full fine-tuning on its 2-3-person puzzles; 8 puzzles x 8 rollouts per step at T = 1.0,
 the sampled evaluation's temperature, so that training sees the slips the evaluation counts; two minibatches per
-step; AdamW lr 5e-4 (chosen on GRPO alone on the current lab model: docs/methods.md; 1e-3, chosen on the previous
-one, overshoots it) with epsilon 1e-3 (at 1e-8 Adam's first steps move every parameter by about lr whatever its
-gradient, and the parameters whose gradients are sampling noise wreck the lab model); 10 steps; the test split
-sampled twice per puzzle at the end."""
+step; AdamW lr 5e-4 (chosen on GRPO alone on this lab model: docs/methods.md) with epsilon 1e-3 (at 1e-8 Adam's
+first steps move every parameter by about lr whatever its gradient, and the parameters whose gradients are sampling
+noise wreck the lab model); 10 steps; the test split sampled twice per puzzle at the end."""
 
 QUICK_TRAIN = {
     "steps": 2,

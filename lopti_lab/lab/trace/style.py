@@ -208,7 +208,7 @@ def roster(names: Sequence[str], style: TraceStyle) -> str:
     '(1) Logan (2) Sebastian .'."""
     if style.answer_roster:
         return " ".join(f"({i + 1}) {name}" for i, name in enumerate(names)) + " ."
-    return " ".join(person(names, i, True) for i in range(len(names))) + " ."
+    return " ".join(person(names, i, numbered=True) for i in range(len(names))) + " ."
 
 
 def answer_text(names: Sequence[str], knights: Sequence[bool] | None, style: TraceStyle) -> str:
