@@ -36,11 +36,6 @@ from lopti_lab.configs import field_docs, from_dict, nested_config, read_json
 from lopti_lab.durable import DiskFullError
 from lopti_lab.runs import RunFolderError
 
-PER_RUN = ("seed", "run_dir", "progress", "ar_alpha", "lopti_eta", "lopti_order", "loss", "forking_rho",
-           "entropy_adv_alpha")  # fmt: skip
-"""A study's TrainConfig fields that each run sets itself (studies.config.PER_RUN, repeated here so that listing the
-commands imports no torch; tests/test_cli.py checks the two agree)."""
-
 __all__ = ["COMMANDS", "Command", "add_config_options", "build_parser", "main"]
 
 USAGE_ERROR = 2
@@ -67,12 +62,15 @@ class Command:
     """fields (dotted for nested ones) that get no option"""
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
+    def skipped(self, cls: type) -> tuple[str, ...]:
+        """``skip`` and, for a study, the ``train`` fields it sets per run (its config's ``SET_PER_RUN``)."""
+        return (*self.skip, *(f"train.{name}" for name in getattr(cls, "SET_PER_RUN", ())))
 
-def _study(name: str, help: str, config: str, *shared: str) -> Command:
+
+def _study(name: str, help: str, config: str) -> Command:
     """A study's command (``studies.config.StudyConfig``): its shared TrainConfig's fields become options, except those
-    each run sets itself (``PER_RUN``) and the ``shared`` ones the study fixes."""
-    skip = tuple(f"train.{field}" for field in (*PER_RUN, *shared))
-    return Command(name, help, config, flatten=("train",), skip=skip)
+    each run sets itself (the config's ``SET_PER_RUN``, read when the command is chosen)."""
+    return Command(name, help, config, flatten=("train",))
 
 
 COMMANDS: dict[str, Command] = {
@@ -110,10 +108,6 @@ COMMANDS: dict[str, Command] = {
             "mechanism",
             "the paper's Fig. 1 and Fig. 3 measured as it measured them, under SGD and AdamW (CPU, <= 20 min)",
             "lopti_lab.studies.mechanism:MechanismConfig",
-            "optimizer",
-            "lr",
-            "adam_eps",
-            "weight_decay",
         ),
         Command(
             "plan",
@@ -232,7 +226,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--config", dest="_config", metavar="FILE", help=f"a JSON file of {cls.__name__} fields (the "
                        "options given override it)")  # fmt: skip
         EXTRA_OPTIONS.get(command.name, lambda p: None)(p)
-        add_config_options(p, cls, flatten=command.flatten, skip=command.skip, aliases=command.aliases)
+        add_config_options(p, cls, flatten=command.flatten, skip=command.skipped(cls), aliases=command.aliases)
     return parser
 
 

@@ -1,6 +1,7 @@
 """The `lopti-lab` command: every subcommand's options come from its config dataclass the same way, every --config
 file is read the same way, and every usage error exits 2 naming the field or file, before any work starts."""
 
+import argparse
 import dataclasses
 import json
 
@@ -32,7 +33,7 @@ def test_every_field_is_an_option_with_its_docstring_as_help(name):
         elif f.name in command.flatten:
             for g in dataclasses.fields(nested):
                 dest = f"{f.name}.{g.name}"
-                if dest not in command.skip:
+                if dest not in command.skipped(cls):
                     expected[dest] = field_docs(nested).get(g.name, "")
     for dest, help_text in expected.items():
         assert dest in options, f"lopti-lab {name}: no option for {dest}"
@@ -91,9 +92,15 @@ def test_options_given_override_the_config_file_field_by_field(tmp_path, monkeyp
     assert (config.lr, config.steps, config.train_people, config.ar_alpha, config.lora_r) == (1e-4, 9, (3,), 0.3, None)
 
 
-def test_the_clis_per_run_fields_are_the_studies():
+@pytest.mark.parametrize("command", ["demo", "hardlab", "mechanism"])
+def test_a_study_gives_no_option_for_the_fields_each_run_sets(command):
+    """The fields a study sets per run (its seed, folder and method; the mechanism's optimizer too) get no option."""
     from lopti_lab.studies.config import PER_RUN
     from lopti_lab.studies.mechanism import OPTIMIZER_FIELDS
 
-    assert cli.PER_RUN == PER_RUN
-    assert set(cli.COMMANDS["mechanism"].skip) == {f"train.{n}" for n in (*PER_RUN, *OPTIMIZER_FIELDS)}
+    parser = cli.build_parser(only=command)
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    dests = {a.dest for a in sub.choices[command]._actions}
+    fixed = {*PER_RUN, *OPTIMIZER_FIELDS} if command == "mechanism" else set(PER_RUN)
+    assert not {f"train.{n}" for n in fixed} & dests
+    assert {"train.lr", "train.steps"} - {f"train.{n}" for n in fixed} <= dests

@@ -94,6 +94,8 @@ class StudyConfig:
     """The report's heading."""
     QUICK: ClassVar[dict] = QUICK_TRAIN
     """What ``quick`` changes in ``train``."""
+    SET_PER_RUN: ClassVar[tuple[str, ...]] = PER_RUN
+    """The ``train`` fields the study sets in each run (the CLI gives them no option)."""
     PRIMARY: ClassVar[str | None] = None
     """A pre-registered primary measure, the column of the last-3 sampled accuracy whose paired difference to GRPO
     the report states first (None: none)."""

@@ -41,7 +41,7 @@ from lopti_lab.models import load_policy
 from lopti_lab.paths import data_dir
 from lopti_lab.pool import finished, train_while
 from lopti_lab.probes import selective_sweep, selective_updates
-from lopti_lab.studies.config import DEMO_TRAIN, StudyConfig
+from lopti_lab.studies.config import DEMO_TRAIN, PER_RUN, StudyConfig
 from lopti_lab.studies.stats import ci95
 from lopti_lab.train_config import TrainConfig
 
@@ -98,6 +98,7 @@ class MechanismConfig(StudyConfig):
     setting, and the measurements that say why the optimizers differ."""
 
     TRAIN_DEFAULTS: ClassVar[dict] = MECHANISM_TRAIN
+    SET_PER_RUN: ClassVar[tuple[str, ...]] = (*PER_RUN, *OPTIMIZER_FIELDS)
 
     out: str = "reports/mechanism"
     """report folder (created; runs/<optimizer>/ inside holds each run folder)"""
