@@ -155,86 +155,173 @@ class _Adam:
         self.param -= self.lr * m_hat / (v_hat.sqrt() + self.eps)
 
 
+@dataclass
+class _Policy:
+    """The toy policy: logits prior + W phi_s, with the frozen prior (S, V) and state features (S, D) of `_world` and
+    the trainable head W (V, D)."""
+
+    prior: torch.Tensor
+    phi: torch.Tensor
+    W: torch.Tensor
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        return self.prior[states] + self.phi[states] @ self.W.T  # (..., V)
+
+    def logp(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.logits(states).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)  # (B, T)
+
+    def in_every_state(self) -> torch.Tensor:
+        return (self.prior + self.phi @ self.W.T).softmax(-1)  # (S, V)
+
+
+@dataclass
+class _Batch:
+    """One step's sampled responses under the old policy, scored, with what the update and the tables read."""
+
+    states: torch.Tensor  # (B, T)
+    tokens: torch.Tensor  # (B, T)
+    p_old: torch.Tensor  # (B, T): pi_old of the sampled token
+    old_logp: torch.Tensor  # (B, T)
+    rewards: torch.Tensor  # (B,)
+    adv: torch.Tensor  # (B, T): GRPO's group advantage of the response, at each of its tokens
+    weight: torch.Tensor  # (B, T): the advantage after AR
+    bin_of: torch.Tensor  # (B, T): the probability bin of p_old
+    e_minus_p: torch.Tensor  # (B, T, V): e_y - pi, the gradient of log pi_y with respect to the logits
+    norms: torch.Tensor  # (B, T): ||e_y - pi||, as logit_grad_norm computes it
+
+    @property
+    def n(self) -> int:
+        """The token-mean denominator: every response token, in every Lopti stage (docs/paper.md §4)."""
+        return self.tokens.numel()
+
+
+@torch.no_grad()
+def _sample(config: ToyConfig, method: Method, policy: _Policy, target: torch.Tensor, gen: torch.Generator) -> _Batch:
+    """G responses to each of a step's prompts (a prompt: T random states), their rewards, advantages and AR weights."""
+    B, T, V = config.n_prompts * config.group_size, config.seq_len, config.vocab_size
+    prompts = torch.randint(config.n_states, (config.n_prompts, T), generator=gen)  # (prompts, T)
+    states = prompts.repeat_interleave(config.group_size, 0)  # (B, T): each prompt G times
+    logits = policy.logits(states)  # (B, T, V)
+    # Gumbel-max sampling: argmax(z + Gumbel noise) ~ softmax(z), and much faster than multinomial
+    u = torch.rand(B, T, V, generator=gen, dtype=DTYPE).clamp_min(torch.finfo(DTYPE).tiny)
+    tokens = (logits - (-u.log()).log()).argmax(-1)  # (B, T)
+    pi = logits.softmax(-1)  # (B, T, V)
+    p_old = pi.gather(-1, tokens[..., None]).squeeze(-1)  # (B, T)
+    old_logp = p_old.log()
+    rewards = (tokens == target[states]).to(DTYPE).mean(-1)  # (B,)
+    adv = group_advantages(rewards, config.group_size)[:, None].expand(B, T)  # (B, T)
+    weight = reweight_advantages(adv, old_logp, method.ar_alpha or 0.0)  # AR, docs/paper.md §3
+    e_minus_p = -pi
+    e_minus_p.scatter_add_(-1, tokens[..., None], torch.ones_like(pi[..., :1]))  # (B, T, V)
+    bin_of = bin_index(p_old, config.bins)  # (B, T)
+    return _Batch(states, tokens, p_old, old_logp, rewards, adv, weight, bin_of, e_minus_p, e_minus_p.norm(dim=-1))
+
+
+@torch.no_grad()
+def _policy_stats(policy: _Policy, target: torch.Tensor, batch: _Batch) -> tuple[torch.Tensor, ...]:
+    """The batch's mean reward, and over every state the policy's mean probability of the target and the number of
+    states whose greedy token is the target."""
+    pi_all = policy.in_every_state()  # (S, V)
+    return batch.rewards.mean(), pi_all[torch.arange(len(target)), target].mean(), (pi_all.argmax(-1) == target).sum()
+
+
+@torch.no_grad()
+def _bin_gradients(config: ToyConfig, policy: _Policy, batch: _Batch) -> torch.Tensor:
+    """Fig. 1d at the start of the step (ratio = 1), per bin (K, 4): its token count, the norm of its tokens' gradient
+    -(1/n) sum_t w_t (e_y - pi_t) phi_t^T, that gradient's share <g_bin, g> / ||g||^2 and its mean ||e_y - pi||."""
+    K, V, D, n = len(config.bins) - 1, config.vocab_size, config.feature_dim, batch.n
+    per_bin = torch.nn.functional.one_hot(batch.bin_of, K).to(DTYPE) * (-batch.weight / n)[..., None]  # (B, T, K)
+    coef_phi = (per_bin[..., None] * policy.phi[batch.states][..., None, :]).view(n, K * D)  # (B*T, K*D)
+    g_bins = (batch.e_minus_p.view(n, V).T @ coef_phi).view(V, K, D).transpose(0, 1)  # (K, V, D)
+    g_all = g_bins.sum(0)
+    counts = torch.bincount(batch.bin_of.view(-1), minlength=K)  # (K,)
+    norm_sums = torch.zeros(K, dtype=DTYPE).index_add_(0, batch.bin_of.view(-1), batch.norms.view(-1))  # (K,)
+    shares = (g_bins * g_all).flatten(1).sum(-1) / g_all.square().sum().clamp_min(torch.finfo(DTYPE).tiny)
+    return torch.stack([counts.to(DTYPE), g_bins.flatten(1).norm(dim=-1), shares, norm_sums / counts.clamp_min(1)], -1)
+
+
+def _update(config: ToyConfig, method: Method, policy: _Policy, step_W, batch: _Batch) -> None:
+    """The step's update of W: one step of the clipped loss on every token, or Lopti's two (docs/paper.md §4)."""
+    every, eps = torch.ones_like(batch.p_old), config.clip_eps  # the toy clips symmetrically
+    stages = [("all", every)] if method.lopti_eta is None else lopti_stages(batch.old_logp, every, method.lopti_eta)
+    for _name, stage in stages:  # Lopti: low-probability tokens first, then the rest
+        logp = policy.logp(batch.states, batch.tokens)  # (B, T); pi_old stays the sampling policy's in both stages
+        loss, _ = policy_loss(logp, batch.old_logp, batch.weight, stage, clip_low=eps, clip_high=eps, denom=batch.n)
+        (grad,) = torch.autograd.grad(loss, policy.W)
+        step_W(grad)
+
+
+@torch.no_grad()
+def _token_columns(policy: _Policy, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's row after the update: (state, token, bin) (B*T, 3) and (p_old, ||e_y - pi||, advantage,
+    weight, p_new, new - old log-prob) (B*T, 6)."""
+    new_logp = policy.logp(batch.states, batch.tokens)  # (B, T)
+    ints = torch.stack([batch.states, batch.tokens, batch.bin_of]).view(3, batch.n).T  # (B*T, 3)
+    # the move's direction from the log-probs (shift_summary): exp() of a probability near 1 can hide it
+    moves = [batch.p_old, batch.norms, batch.adv, batch.weight, new_logp.exp(), new_logp - batch.old_logp]
+    return ints, torch.stack(moves).view(len(moves), batch.n).T  # (B*T, 6)
+
+
 def _run(config: ToyConfig, method: Method) -> dict[str, pd.DataFrame]:
+    """Train the toy with one method from the config's seed: its steps, bins and tokens tables (`ToyResult`'s)."""
     gen = torch.Generator().manual_seed(config.seed)
     prior, phi, target = _world(config, gen)
-    S, V, D, T = config.n_states, config.vocab_size, config.feature_dim, config.seq_len
-    B = config.n_prompts * config.group_size
-    n = B * T  # token-mean denominator: every response token, in every Lopti stage (docs/paper.md §4)
-    K = len(config.bins) - 1
-    W = torch.zeros(V, D, dtype=DTYPE, requires_grad=True)
-    step_W = _Adam(W, config.lr) if config.optimizer == "adam" else _SGD(W, config.lr)
+    policy = _Policy(prior, phi, torch.zeros(config.vocab_size, config.feature_dim, dtype=DTYPE, requires_grad=True))
+    step_W = _Adam(policy.W, config.lr) if config.optimizer == "adam" else _SGD(policy.W, config.lr)
     steps, bins, int_cols, float_cols = [], [], [], []
-
-    def logits_of(states):
-        return prior[states] + phi[states] @ W.T  # (..., V)
-
-    def logp_of(states, tokens):
-        return logits_of(states).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)  # (B, T)
-
     for _ in range(config.steps):
-        states = torch.randint(S, (config.n_prompts, T), generator=gen).repeat_interleave(
-            config.group_size, 0
-        )  # (B, T)
-        with torch.no_grad():
-            logits = logits_of(states)  # (B, T, V)
-            # Gumbel-max sampling: argmax(z + Gumbel noise) ~ softmax(z), and much faster than multinomial
-            u = torch.rand(B, T, V, generator=gen, dtype=DTYPE).clamp_min(torch.finfo(DTYPE).tiny)
-            tokens = (logits - (-u.log()).log()).argmax(-1)  # (B, T)
-            pi = logits.softmax(-1)  # (B, T, V)
-            p_old = pi.gather(-1, tokens[..., None]).squeeze(-1)  # (B, T)
-            old_logp = p_old.log()
-            rewards = (tokens == target[states]).to(DTYPE).mean(-1)  # (B,)
-            adv = group_advantages(rewards, config.group_size)[:, None].expand(B, T)  # (B, T)
-            weight = reweight_advantages(adv, old_logp, method.ar_alpha or 0.0)  # AR, docs/paper.md §3
-            bin_of = bin_index(p_old, config.bins)  # (B, T)
-            pi_all = (prior + phi @ W.T).softmax(-1)  # (S, V): the policy in every state
-            steps.append((rewards.mean(), pi_all[torch.arange(S), target].mean(), (pi_all.argmax(-1) == target).sum()))
+        batch = _sample(config, method, policy, target, gen)
+        steps.append(_policy_stats(policy, target, batch))
+        bins.append(_bin_gradients(config, policy, batch))
+        _update(config, method, policy, step_W, batch)
+        ints, floats = _token_columns(policy, batch)
+        int_cols.append(ints)
+        float_cols.append(floats)
+    return {
+        "steps": _steps_table(config, method, steps),
+        "bins": _bins_table(config, method, torch.stack(bins)),
+        "tokens": _tokens_table(config, method, torch.cat(int_cols), torch.cat(float_cols)),
+    }
 
-            # Fig. 1d at the start of the step (ratio = 1): the bin's gradient -(1/n) sum_t w_t (e_y - pi_t) phi_t^T
-            e_minus_p = -pi
-            e_minus_p.scatter_add_(-1, tokens[..., None], torch.ones_like(pi[..., :1]))  # (B, T, V)
-            norms = e_minus_p.norm(dim=-1)  # (B, T): ||e_y - pi||, as logit_grad_norm computes it
-            per_bin = torch.nn.functional.one_hot(bin_of, K).to(DTYPE) * (-weight / n)[..., None]  # (B, T, K)
-            coef_phi = (per_bin[..., None] * phi[states][..., None, :]).view(n, K * D)  # (B*T, K*D)
-            g_bins = (e_minus_p.view(n, V).T @ coef_phi).view(V, K, D).transpose(0, 1)  # (K, V, D)
-            g_all = g_bins.sum(0)
-            counts = torch.bincount(bin_of.view(-1), minlength=K)  # (K,)
-            norm_sums = torch.zeros(K, dtype=DTYPE).index_add_(0, bin_of.view(-1), norms.view(-1))  # (K,)
-            bins.append(
-                torch.stack(
-                    [
-                        counts.to(DTYPE),
-                        g_bins.flatten(1).norm(dim=-1),
-                        (g_bins * g_all).flatten(1).sum(-1) / g_all.square().sum().clamp_min(torch.finfo(DTYPE).tiny),
-                        norm_sums / counts.clamp_min(1),
-                    ],
-                    dim=-1,
-                )  # (K, 4)
-            )
 
-        every = torch.ones_like(p_old)
-        stages = [("all", every)] if method.lopti_eta is None else lopti_stages(old_logp, every, method.lopti_eta)
-        for _name, stage in stages:  # Lopti (§4): low-probability tokens first, then the rest
-            loss, _ = policy_loss(  # pi_old is not recomputed between Lopti's stages
-                logp_of(states, tokens), old_logp, weight, stage, config.clip_eps, config.clip_eps, denom=n
-            )
-            (grad,) = torch.autograd.grad(loss, W)
-            step_W(grad)
-
-        with torch.no_grad():
-            new_logp = logp_of(states, tokens)  # (B, T)
-        int_cols.append(torch.stack([states, tokens, bin_of]).view(3, n).T)  # (B*T, 3)
-        # the move's direction from the log-probs (shift_summary): exp() of a probability near 1 can hide it
-        moves = [p_old, norms, adv, weight, new_logp.exp(), new_logp - old_logp]
-        float_cols.append(torch.stack(moves).view(len(moves), n).T)  # (B*T, 6)
-
-    seq, pos = torch.meshgrid(torch.arange(B), torch.arange(T), indexing="ij")
-    ints = torch.cat(int_cols).numpy()  # (steps*B*T, 3)
-    floats = torch.cat(float_cols).double().numpy()  # (steps*B*T, 6)
-    tokens = pd.DataFrame(
+def _steps_table(config: ToyConfig, method: Method, steps: list[tuple]) -> pd.DataFrame:
+    step_stats = torch.tensor([[r, p, a / config.n_states] for r, p, a in steps], dtype=torch.float64).numpy()
+    return pd.DataFrame(
         {
-            "step": np.repeat(np.arange(config.steps), n),
+            "step": np.arange(config.steps),
+            "method": method.label,
+            "reward": step_stats[:, 0],
+            "p_target": step_stats[:, 1],
+            "accuracy": step_stats[:, 2],
+        }
+    )
+
+
+def _bins_table(config: ToyConfig, method: Method, bins: torch.Tensor) -> pd.DataFrame:
+    K, n = len(config.bins) - 1, config.n_prompts * config.group_size * config.seq_len
+    per_bin = bins.double().numpy()  # (steps, K, 4)
+    return pd.DataFrame(
+        {
+            "step": np.repeat(np.arange(config.steps), K),
+            "method": method.label,
+            "bin": np.tile(np.arange(K), config.steps),
+            "label": np.tile(bin_labels(config.bins), config.steps),
+            "n_tokens": per_bin[..., 0].reshape(-1).astype(int),
+            "token_share": per_bin[..., 0].reshape(-1) / n,
+            "grad_norm": per_bin[..., 1].reshape(-1),
+            "grad_share": per_bin[..., 2].reshape(-1),
+            "token_grad_norm": np.where(per_bin[..., 0] > 0, per_bin[..., 3], np.nan).reshape(-1),
+        }
+    )
+
+
+def _tokens_table(config: ToyConfig, method: Method, ints: torch.Tensor, floats: torch.Tensor) -> pd.DataFrame:
+    B, T = config.n_prompts * config.group_size, config.seq_len
+    seq, pos = torch.meshgrid(torch.arange(B), torch.arange(T), indexing="ij")
+    ints, floats = ints.numpy(), floats.double().numpy()  # (steps*B*T, 3), (steps*B*T, 6)
+    return pd.DataFrame(
+        {
+            "step": np.repeat(np.arange(config.steps), B * T),
             "method": method.label,
             "seq": np.tile(seq.reshape(-1).numpy(), config.steps),
             "pos": np.tile(pos.reshape(-1).numpy(), config.steps),
@@ -250,31 +337,6 @@ def _run(config: ToyConfig, method: Method) -> dict[str, pd.DataFrame]:
             "dlogp": floats[:, 5],
         }
     )
-    step_stats = torch.tensor([[r, p, a / S] for r, p, a in steps], dtype=torch.float64).numpy()
-    steps_frame = pd.DataFrame(
-        {
-            "step": np.arange(config.steps),
-            "method": method.label,
-            "reward": step_stats[:, 0],
-            "p_target": step_stats[:, 1],
-            "accuracy": step_stats[:, 2],
-        }
-    )
-    per_bin = torch.stack(bins).double().numpy()  # (steps, K, 4)
-    bins_frame = pd.DataFrame(
-        {
-            "step": np.repeat(np.arange(config.steps), K),
-            "method": method.label,
-            "bin": np.tile(np.arange(K), config.steps),
-            "label": np.tile(bin_labels(config.bins), config.steps),
-            "n_tokens": per_bin[..., 0].reshape(-1).astype(int),
-            "token_share": per_bin[..., 0].reshape(-1) / n,
-            "grad_norm": per_bin[..., 1].reshape(-1),
-            "grad_share": per_bin[..., 2].reshape(-1),
-            "token_grad_norm": np.where(per_bin[..., 0] > 0, per_bin[..., 3], np.nan).reshape(-1),
-        }
-    )
-    return {"steps": steps_frame, "bins": bins_frame, "tokens": tokens}
 
 
 def simulate(

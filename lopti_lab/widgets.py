@@ -24,7 +24,7 @@ import signal
 import threading
 import traceback
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ipywidgets as W
@@ -32,14 +32,14 @@ import pandas as pd
 import torch
 from IPython.display import display
 
-from lopti_lab import plan, plots, runs
-from lopti_lab.studies.mechanism import OPTIMIZER_SETTINGS, decomposition
-from lopti_lab.methods import ENTROPY_ADV_ALPHA, FORKING_RHO, METHODS, PAPER, method_label, run_name
+from lopti_lab import methods, plan, plots, runs
+from lopti_lab.methods import LOSSES, METHOD_FIELDS, METHODS, PAPER, Method, method_label, run_name
 from lopti_lab.models import prompt_style_of
 from lopti_lab.notebook import Environment, setup, training_defaults
+from lopti_lab.studies.mechanism import OPTIMIZER_SETTINGS, decomposition
 from lopti_lab.theory import grad_norm_bounds, logit_grad_norm
 from lopti_lab.toy import ToyConfig, simulate
-from lopti_lab.train_config import LOSSES, OPTIMIZERS, TrainConfig
+from lopti_lab.train_config import OPTIMIZERS, TrainConfig
 from lopti_lab.trainer import train
 
 # Matplotlib is not thread-safe (figures share its font cache), and a TrainPanel draws from its training thread while
@@ -127,8 +127,8 @@ class ToyPanel(_Panel):
     def __init__(self, steps: int = 30, seed: int = 0):
         defaults = ToyConfig()
         self.methods = {name: W.Checkbox(value=True, description=name, indent=False) for name in PAPER}
-        self.alpha = W.FloatSlider(value=0.3, min=0.0, max=1.0, step=0.05, description="AR alpha")
-        self.eta = W.FloatSlider(value=0.5, min=0.05, max=0.95, step=0.05, description="Lopti eta")
+        self.alpha = W.FloatSlider(value=methods.AR_ALPHA, min=0.0, max=1.0, step=0.05, description="AR alpha")
+        self.eta = W.FloatSlider(value=methods.LOPTI_ETA, min=0.05, max=0.95, step=0.05, description="Lopti eta")
         self.optimizer = W.ToggleButtons(options=["adam", "sgd"], value=defaults.optimizer, description="optimizer")
         self.steps = W.IntSlider(value=steps, min=2, max=200, description="steps")
         self.seed = W.IntText(value=seed, description="seed")
@@ -205,6 +205,33 @@ def _stop_on_kernel_interrupt(event: threading.Event) -> None:
         kernel.saved_sigint_handler = _on_sigint
 
 
+@dataclass(frozen=True)
+class _Switch:
+    """One method switch of the TrainPanel: its checkbox, its slider, the field it sets (``methods.METHOD_FIELDS``:
+    the slider's value while ticked, else None), the value it offers when first switched on, the controls it enables."""
+
+    box: W.Checkbox
+    slider: W.FloatSlider
+    field: str
+    default: float
+    follows: tuple[W.Widget, ...] = ()
+
+    def __post_init__(self):
+        self.slider.value = self.default
+        self.box.observe(lambda _: self.follow(), names="value")
+        self.follow()
+
+    def show(self, value: float | None) -> None:
+        """Tick the box and set the slider for a value; untick it for None (the slider keeps its value)."""
+        self.box.value = value is not None
+        if value is not None:
+            self.slider.value = value
+
+    def follow(self) -> None:
+        for control in (self.slider, *self.follows):
+            control.disabled = not self.box.value
+
+
 class TrainPanel(_Panel):
     """GRPO on K&K with AR and Lopti switches: Run trains in the background (a run folder under ``run_root``), the
     plots refresh after every step, Stop ends the run cleanly after the current step (its records and a checkpoint
@@ -226,30 +253,12 @@ class TrainPanel(_Panel):
         # the lab's regimes (notebook.lab_regimes): picking one sets every setting to its TrainConfig
         self.regime = W.Dropdown(options=list(self.regimes), value=None, description="regime")
         self.model = W.Text(value=base.model, description="model")
-        self.ar = W.Checkbox(value=base.ar_alpha is not None, description="Advantage Reweighting", indent=False)
-        self.alpha = W.FloatSlider(value=base.ar_alpha or 0.3, min=0.0, max=1.0, step=0.05, description="alpha")
-        self.lopti = W.Checkbox(value=base.lopti_eta is not None, description="Lopti", indent=False)
-        self.eta = W.FloatSlider(value=base.lopti_eta or 0.5, min=0.05, max=0.95, step=0.05, description="eta")
-        self.order = W.Dropdown(options=["low_first", "high_first"], value=base.lopti_order, description="order")
+        self._method_controls(base)
         self.optimizer = W.ToggleButtons(options=list(OPTIMIZERS), value=base.optimizer, description="optimizer")
-        # the token-level methods after the paper (docs/methods.md); TrainConfig refuses the combinations not defined
-        label = method_label(base)
-        self.method = W.Dropdown(options=list(METHODS), value=label if label in METHODS else None, description="preset")
-        self.loss = W.Dropdown(options=list(LOSSES), value=base.loss, description="loss")
-        self.forking = W.Checkbox(value=base.forking_rho is not None, description="forking tokens", indent=False)
-        self.rho = W.FloatSlider(value=base.forking_rho or FORKING_RHO, min=0.05, max=1.0, step=0.05, description="rho")
-        self.entropy_adv = W.Checkbox(
-            value=base.entropy_adv_alpha is not None, description="entropy advantage", indent=False
-        )
-        self.ent_alpha = W.FloatSlider(
-            value=base.entropy_adv_alpha or ENTROPY_ADV_ALPHA, min=0.0, max=2.0, step=0.05, description="alpha"
-        )
         self.method.observe(lambda change: self._pick(change["new"]), names="value")
         self.regime.observe(lambda change: self._use(change["new"]), names="value")
         self.steps = W.IntText(value=base.steps, description="steps")
-        self.lr = W.FloatLogSlider(
-            value=base.lr, base=10, min=-7, max=-2, step=0.1, description="lr", readout_format=".1e"
-        )
+        self.lr = W.FloatLogSlider(value=base.lr, base=10, min=-7, max=-2, description="lr", readout_format=".1e")
         self.group_size = W.IntSlider(value=base.group_size, min=2, max=16, description="group size")
         self.prompts = W.IntSlider(value=base.prompts_per_step, min=1, max=64, description="prompts/step")
         self.name = W.Text(value="", placeholder="run name (default: method-time)", description="run")
@@ -260,11 +269,6 @@ class TrainPanel(_Panel):
         self.output = W.Output()
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: self.stop())
-        switches = ((self.ar, self.alpha), (self.lopti, self.eta), (self.lopti, self.order), (self.forking, self.rho),
-                    (self.entropy_adv, self.ent_alpha))  # fmt: skip
-        for box, slider in switches:
-            box.observe(lambda change, s=slider: setattr(s, "disabled", not change["new"]), names="value")
-            slider.disabled = not box.value
         self.history: list[dict] = []
         self.result = None
         self.error: BaseException | None = None
@@ -286,16 +290,36 @@ class TrainPanel(_Panel):
             ]
         )
 
+    def _method_controls(self, base: TrainConfig) -> None:
+        """The controls of the method's fields (``methods.METHOD_FIELDS``) set from ``base``, and the preset picker."""
+        self.ar = W.Checkbox(description="Advantage Reweighting", indent=False)
+        self.alpha = W.FloatSlider(min=0.0, max=1.0, step=0.05, description="alpha")
+        self.lopti = W.Checkbox(description="Lopti", indent=False)
+        self.eta = W.FloatSlider(min=0.05, max=0.95, step=0.05, description="eta")
+        self.order = W.Dropdown(options=["low_first", "high_first"], description="order")
+        # the token-level methods after the paper (docs/methods.md); TrainConfig refuses the combinations not defined
+        self.loss = W.Dropdown(options=list(LOSSES), description="loss")
+        self.forking = W.Checkbox(description="forking tokens", indent=False)
+        self.rho = W.FloatSlider(min=0.05, max=1.0, step=0.05, description="rho")
+        self.entropy_adv = W.Checkbox(description="entropy advantage", indent=False)
+        self.ent_alpha = W.FloatSlider(min=0.0, max=2.0, step=0.05, description="alpha")
+        # every place that reads or sets a switch (config, presets, regimes, locking) goes through this table
+        self.switches = (
+            _Switch(self.ar, self.alpha, "ar_alpha", methods.AR_ALPHA),
+            _Switch(self.lopti, self.eta, "lopti_eta", methods.LOPTI_ETA, follows=(self.order,)),
+            _Switch(self.forking, self.rho, "forking_rho", methods.FORKING_RHO),
+            _Switch(self.entropy_adv, self.ent_alpha, "entropy_adv_alpha", methods.ENTROPY_ADV_ALPHA),
+        )
+        self.choices = {"lopti_order": self.order, "loss": self.loss}  # the method's other fields
+        self._show_method(base)
+        label = method_label(base)
+        self.method = W.Dropdown(options=list(METHODS), value=label if label in METHODS else None, description="preset")
+
     def config(self):
         """The TrainConfig the controls describe (validated: a bad value raises ValueError naming the field)."""
         values = {
             "model": self.model.value.strip(),
-            "ar_alpha": self.alpha.value if self.ar.value else None,
-            "lopti_eta": self.eta.value if self.lopti.value else None,
-            "lopti_order": self.order.value,
-            "loss": self.loss.value,
-            "forking_rho": self.rho.value if self.forking.value else None,
-            "entropy_adv_alpha": self.ent_alpha.value if self.entropy_adv.value else None,
+            **self._method_fields(),
             "optimizer": self.optimizer.value,
             "steps": self.steps.value,
             "lr": self.lr.value,
@@ -323,34 +347,32 @@ class TrainPanel(_Panel):
         steps, lr, batch shape); the settings the panel does not show (people, evaluation, lengths) come with it."""
         if regime is None:
             return
-        config = self.regimes[regime]
-        self.base = config
-        self.model.value = config.model
-        self.ar.value, self.lopti.value = config.ar_alpha is not None, config.lopti_eta is not None
-        self.alpha.value, self.eta.value = config.ar_alpha or self.alpha.value, config.lopti_eta or self.eta.value
-        self.order.value, self.loss.value, self.optimizer.value = config.lopti_order, config.loss, config.optimizer
-        self.forking.value, self.entropy_adv.value = (
-            config.forking_rho is not None,
-            config.entropy_adv_alpha is not None,
-        )
+        self.base = config = self.regimes[regime]
+        self.model.value, self.optimizer.value = config.model, config.optimizer
+        label = method_label(config)
+        self.method.value = label if label in METHODS else None  # first: its preset's values give way to the config's
+        self._show_method(config)
         self.steps.value, self.lr.value = config.steps, config.lr
         self.group_size.value, self.prompts.value = config.group_size, config.prompts_per_step
         self.progress.max = config.steps
-        label = method_label(config)
-        self.method.value = label if label in METHODS else None
 
     def _pick(self, label: str | None) -> None:
-        """Set the switches to a registered method (``methods.METHODS``); the switches stay free to change."""
-        if label is None:
-            return
-        fields = METHODS[label].overrides()
-        for box, slider, key in ((self.ar, self.alpha, "ar_alpha"), (self.lopti, self.eta, "lopti_eta"),
-                                 (self.forking, self.rho, "forking_rho"),
-                                 (self.entropy_adv, self.ent_alpha, "entropy_adv_alpha")):  # fmt: skip
-            box.value = fields.get(key) is not None
-            if box.value:
-                slider.value = fields[key]
-        self.loss.value = fields.get("loss", "ppo")
+        """Set the method's controls to a registered method (``methods.METHODS``); they stay free to change."""
+        if label is not None:
+            self._show_method(METHODS[label])
+
+    def _method_fields(self) -> dict:
+        """The method's fields (``methods.METHOD_FIELDS``) as the controls set them; a switch that is off gives None."""
+        switches = {s.field: s.slider.value if s.box.value else None for s in self.switches}
+        values = switches | {field: control.value for field, control in self.choices.items()}
+        return {field: values[field] for field in METHOD_FIELDS}
+
+    def _show_method(self, holder: TrainConfig | Method) -> None:
+        """Set the method's controls to the fields of a TrainConfig or a ``methods.Method``."""
+        for switch in self.switches:
+            switch.show(getattr(holder, switch.field))
+        for field, control in self.choices.items():
+            control.value = getattr(holder, field)
 
     def _on_step(self, metrics: dict) -> bool:
         self.history.append(metrics)
@@ -364,17 +386,15 @@ class TrainPanel(_Panel):
     @property
     def settings(self) -> list[W.Widget]:
         """The controls that set a run's config: locked while it trains (its config cannot change mid-run)."""
-        return [self.regime, self.model, self.name, self.ar, self.alpha, self.lopti, self.eta, self.order, self.method,
-                self.loss,
-                self.forking, self.rho, self.entropy_adv, self.ent_alpha, self.optimizer, self.steps, self.lr,
-                self.prompts, self.group_size]  # fmt: skip
+        return [self.regime, self.model, self.name, self.method, *(w for s in self.switches for w in (s.box, s.slider)),
+                *self.choices.values(), self.optimizer, self.steps, self.lr, self.prompts, self.group_size]  # fmt: skip
 
     def _lock_settings(self, locked: bool) -> None:
         for control in self.settings:
             control.disabled = locked
-        if not locked:  # alpha and eta follow their switches again
-            self.alpha.disabled = not self.ar.value
-            self.eta.disabled = self.order.disabled = not self.lopti.value
+        if not locked:  # each slider follows its switch again
+            for switch in self.switches:
+                switch.follow()
 
     @property
     def running(self) -> bool:

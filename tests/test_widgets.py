@@ -288,3 +288,39 @@ def test_gpu_defaults_come_from_the_planner_and_a_typed_model_is_resized():
     assert small.micro_batch_size > cfg.micro_batch_size and small.prompt_style == "instruct"
     h100 = notebook.gpu_defaults(plan.GPUS["h100"])
     assert h100[0] == "Qwen/Qwen2.5-3B-Instruct" and "bfloat16" in h100[2]
+
+
+def test_after_a_run_each_slider_follows_its_switch_again(base, tmp_path, monkeypatch):
+    """While a run trains every setting is locked; when it ends they unlock, but a slider whose switch is off (here:
+    all but Lopti's) stays greyed out as it was before the run, and ticking its switch still enables it."""
+    sliders = ("alpha", "eta", "order", "rho", "ent_alpha")
+    panel = widgets.TrainPanel(base=base, run_root=tmp_path)
+    panel.lopti.value = True
+    before = {name: getattr(panel, name).disabled for name in sliders}
+    assert before == {"alpha": True, "eta": False, "order": False, "rho": True, "ent_alpha": True}
+    locked = []
+
+    def quick_train(config, callbacks=(), resume=False):
+        locked.extend(control.disabled for control in panel.settings)
+        return trainer.TrainResult(config.run_dir, model=None, tokenizer=None, config=config, history=[{"step": 2}])
+
+    monkeypatch.setattr(widgets, "train", quick_train)
+    assert panel.run(block=True) is not None and "done" in panel.status.value
+    assert locked and all(locked)
+    assert {name: getattr(panel, name).disabled for name in sliders} == before
+    assert not panel.model.disabled and not panel.forking.disabled and not panel.method.disabled
+    panel.forking.value = True
+    assert not panel.rho.disabled
+
+
+def test_the_panel_shows_a_configs_own_switch_values(base, tmp_path):
+    """A base or a regime whose switch values differ from the presets' (AR at alpha 0, rho 0.35, ...) is what the
+    panel's config gives back, not a preset's default."""
+    exact = replace(base, ar_alpha=0.0, entropy_adv_alpha=0.8)
+    shown = widgets.TrainPanel(base=exact, run_root=tmp_path).config()
+    assert replace(shown, run_dir=None) == replace(exact, run_dir=None, progress=False)
+    regime = replace(base, ar_alpha=0.25, forking_rho=0.35)  # "GRPO+AR+Forking" at its own settings
+    panel = widgets.TrainPanel(base=base, run_root=tmp_path, regimes={"mine": regime})
+    panel.regime.value = "mine"
+    assert panel.method.value == "GRPO+AR+Forking"
+    assert replace(panel.config(), run_dir=None) == replace(regime, run_dir=None, progress=False)
