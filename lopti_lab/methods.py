@@ -114,16 +114,21 @@ FORKING_RHO = 0.2
 ENTROPY_ADV_ALPHA = 0.4
 """The entropy-shaped advantage's alpha in the lab (Cheng et al.'s own defaults are not verified: docs/methods.md)."""
 
-def check_switches(check: FieldCheck) -> None:
-    """Check the method's switches (``METHOD_FIELDS``) on any object holding them: a ``Method``, a ``TrainConfig``,
-    TRL's ``LoptiGRPOConfig``; each error names the holder's field (``TrainConfig.ar_alpha must be ...``)."""
-    check.real("ar_alpha", 0.0, 1.0, optional=True)
-    # Lopti stage 1 holds the tokens with pi_old < eta: eta <= 0 empties it, eta >= 1 empties stage 2 (docs/paper.md §4)
-    check.real("lopti_eta", 0.0, 1.0, low_open=True, high_open=True, optional=True)
-    check.choice("lopti_order", ("low_first", "high_first"))
-    check.choice("loss", LOSSES)
-    check.real("forking_rho", 0.0, 1.0, low_open=True, optional=True)
-    check.real("entropy_adv_alpha", low=0.0, low_open=True, optional=True)
+def check_switches(check: FieldCheck, names: tuple[str, ...] = METHOD_FIELDS) -> None:
+    """Check the method's switches ``names`` on any object holding them: a ``Method``, a ``TrainConfig``, TRL's
+    ``LoptiGRPOConfig`` (which has AR and Lopti's only); each error names the holder's field
+    (``TrainConfig.ar_alpha must be ...``)."""
+    checks = {
+        "ar_alpha": lambda: check.real("ar_alpha", 0.0, 1.0, optional=True),
+        # Lopti stage 1 holds the tokens with pi_old < eta: eta <= 0 empties it, eta >= 1 empties stage 2 (§4)
+        "lopti_eta": lambda: check.real("lopti_eta", 0.0, 1.0, low_open=True, high_open=True, optional=True),
+        "lopti_order": lambda: check.choice("lopti_order", ("low_first", "high_first")),
+        "loss": lambda: check.choice("loss", LOSSES),
+        "forking_rho": lambda: check.real("forking_rho", 0.0, 1.0, low_open=True, optional=True),
+        "entropy_adv_alpha": lambda: check.real("entropy_adv_alpha", low=0.0, low_open=True, optional=True),
+    }
+    for name in names:
+        checks[name]()
 
 
 METHODS: dict[str, Method] = {

@@ -42,6 +42,7 @@ from lopti_lab.models import Reference, load_policy, resolve_device, training_dt
 from lopti_lab.objective import group_advantages, masked_mean
 from lopti_lab.plan import fit_to_device
 from lopti_lab.probes import GradientProbe, fig3_metrics, positive_rows, probability_shift, update_logprobs
+from lopti_lab.probes.credit import gradient_sums, token_sums
 from lopti_lab.probes.shift import float64_logprobs
 from lopti_lab.resume import repair_for_resume, resume_point
 from lopti_lab.rollout import Rollout, add_logprobs, sample, use_lean
@@ -157,14 +158,26 @@ class _Update:
                                     gradient_probe, scaler=self.scaler)  # fmt: skip
         clock.mark("time/update")
         if gradient_probe is not None and metrics["update/optimizer_steps"] > 0:
-            if not metrics.get("amp/skipped_steps"):  # an overflowed backward's record is inf: no bins this step
-                probed = gradient_probe.metrics()
-                metrics.update({k: v / scale if k.startswith("grad/norm_") else v for k, v in probed.items()})
+            metrics.update(
+                self._credit(gradient_probe, cfg.probe_bins, scale, skipped=bool(metrics.get("amp/skipped_steps")))
+            )
             metrics.update(shift_metrics(model, rollout, advantages, cfg, before))
         if fig3 is not None:
             metrics.update(fig3.after(model))
             metrics["time/shift"] = t_shift + time.perf_counter() - clock.last
         return metrics
+
+    def _credit(self, probe: GradientProbe, bins, scale: float, *, skipped: bool) -> dict[str, float]:
+        """A probed step's per-bin token credit (``probes.credit``, the TRL callback's metrics under the same names):
+        token and advantage shares, mean entropy and the gradient shares; the probe's per-bin gradient norms, unscaled
+        from a float16 loss scale. An overflowed backward's record is inf: no gradient bins that step."""
+        r = self.rollout
+        credit = token_sums(r.old_logp.exp(), r.response_mask, self.token_adv, bins=bins, entropy=r.entropy)
+        norms = {}
+        if not skipped:
+            credit = credit + gradient_sums(probe)
+            norms = {k: v / scale for k, v in probe.metrics().items() if k.startswith("grad/norm_")}
+        return {**norms, **credit.metrics()}
 
 
 def _batch_metrics(rollout: Rollout, puzzles, rewards, totals: torch.Tensor, token_adv: torch.Tensor) -> dict:

@@ -24,6 +24,7 @@ from lopti_lab.checks import FieldCheck, is_real
 from lopti_lab.methods import METHODS, Method
 from lopti_lab.objective import kl_penalty, lopti_stages, masked_mean, policy_loss, reweight_advantages
 from lopti_lab.probes import GradientProbe
+from lopti_lab.probes.credit import CreditSums, token_sums
 from lopti_lab.rollout import Rollout, response_logprobs
 from lopti_lab.token_credit import cispo_loss, clip_cov_loss, entropy_advantage, forking_mask, kl_cov_loss
 
@@ -180,6 +181,7 @@ class _Pass:
         self.trim = not self.on_policy and self.probe is None  # on-policy: every row's forward is pi_old and entropy
         device = self.rollout.input_ids.device
         self.sums = {key: torch.zeros((), device=device) for key in (*_TOKEN_STATS, "tokens", "loss", "entropy")}
+        self.credit: CreditSums | None = None  # a probed update's per-bin clip shares (probes.credit)
 
     def minibatch(self, stage_mask: torch.Tensor, rows: slice) -> tuple[torch.Tensor, bool]:
         """Forward and backward of every micro-batch of one minibatch; its loss and whether any forward ran."""
@@ -213,11 +215,21 @@ class _Pass:
         old = logp.detach() if self.on_policy else rollout.old_logp[r]
         ref = None if rollout.ref_logp is None else rollout.ref_logp[r]
         loss, stats = token_loss(self.spec.objective, logp, old, advantages[r], acting, ref, denom)
+        if self.probe is not None and self.probe_by is None:  # by pi_old's bins, as the probe's shares
+            self._count_clips(logp, old, advantages[r], acting)
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         for key in _TOKEN_STATS:
             self.sums[key] += stats[key] * stats["tokens"]
         self.sums["tokens"] += stats["tokens"]
         return loss.detach()
+
+    def _count_clips(self, logp, old_logp, advantages, acting) -> None:
+        """Add a micro-batch's clipped tokens per bin of pi_old (``probes.credit``: ``clip/{low,high}_share_bin{k}``
+        over the tokens that carried the loss, every pass counted)."""
+        o = self.spec.objective
+        part = token_sums(old_logp.exp(), acting, advantages, bins=self.probe.bins, log_ratio=logp.detach() - old_logp,
+                          clip_low=o.clip_low, clip_high=o.clip_high)  # fmt: skip
+        self.credit = part if self.credit is None else self.credit + part
 
 
 _TOKEN_STATS = ("approx_kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl")
@@ -318,6 +330,7 @@ def _update_metrics(work: _Pass, per_stage: int, grad_norms: list, nonfinite: bo
         **({"amp/skipped_steps": float(amp_skipped), "amp/scale": scaler.get_scale()} if scaler is not None else {}),
         **({"policy/entropy": sums["entropy"].item() / work.rollout.response_mask.sum().item()}
            if work.on_policy else {}),
+        **({k: v for k, v in work.credit.metrics().items() if k.startswith("clip/")} if work.credit else {}),
     }  # fmt: skip
 
 

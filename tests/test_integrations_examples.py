@@ -83,7 +83,7 @@ def test_recipes_parse_into_the_papers_layout(recipe):
 
 def test_example_script_rejects_bad_settings_before_loading_anything(capsys):
     module = train_kk()
-    with pytest.raises(ValueError, match=r"LoptiGRPOConfig.lopti_eta must be in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"LoptiGRPOConfig.lopti_eta must be a finite number > 0.0 and < 1.0"):
         module.main(
             ["--model_name_or_path", "lab", "--lopti_eta", "1.5", "--output_dir", "unused", "--use_cpu", "true"]
         )
@@ -137,3 +137,31 @@ def test_the_one_gpu_command_trains_in_the_devices_precision(monkeypatch, native
     assert module.model_dtype(args, model_args) == lora
     args, model_args = parse("--bf16", "false", "--fp16", "false", "--dtype", "float32")
     assert (args.bf16, args.fp16, module.model_dtype(args, model_args)) == (False, False, "float32")
+
+
+def probe_any_run():
+    train_kk()  # probe_any_run imports train_kk as a sibling script
+    spec = importlib.util.spec_from_file_location("probe_any_run", EXAMPLES / "probe_any_run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["probe_any_run"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_probe_any_run_rejects_bad_settings_before_loading_anything(capsys):
+    module = probe_any_run()
+    with pytest.raises(SystemExit):
+        module.main(["--model_name_or_path", "lab", "--fig3_precision", "bf16", "--output_dir", "unused",
+                     "--use_cpu", "true"])  # fmt: skip
+    assert "--fig3_precision must be one of ('float32', 'float64')" in capsys.readouterr().err
+
+
+def test_probe_any_run_draws_every_panel_from_logged_rows(tmp_path):
+    """The PNG from two logged rows (a bin with no token is a gap, None in the log)."""
+    module = probe_any_run()
+    keys = [key.format(precision="float32") for key, _ in module.PANELS]
+    rows = [{"step": s, **{f"{k}_bin{b}": (None if b == 1 else 0.1 * (b + s)) for k in keys for b in range(4)}}
+            for s in (1, 2)]  # fmt: skip
+    module.draw(rows, tmp_path / "credit.png", "float32")
+    png = (tmp_path / "credit.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000

@@ -444,8 +444,8 @@ def test_a_whole_lopti_rl_step_matches_our_update_policy(peaky_model, one_prompt
 
     ours = AutoModelForCausalLM.from_pretrained(peaky_model)
     assert all(torch.equal(p, start[n]) for n, p in ours.named_parameters())
-    token_adv, stages, _ = advantages_and_stages(rollout, sequence_advantages, cfg)
-    metrics = update_policy(ours, torch.optim.SGD(ours.parameters(), lr), rollout, token_adv, stages, cfg)
+    token_adv, stages, _ = advantages_and_stages(rollout, sequence_advantages, cfg.objective())
+    metrics = update_policy(ours, torch.optim.SGD(ours.parameters(), lr), rollout, token_adv, stages, cfg.update_spec())
     assert metrics["update/optimizer_steps"] == trainer.state.global_step
 
     moved = 0.0
@@ -464,16 +464,7 @@ def test_canary_trl_internals_the_subclass_overrides():
     """A TRL upgrade that moves these must fail here, loudly, not change the objective silently."""
     low, high = (Version(v) for v in TESTED_TRL)
     assert low <= Version(trl.__version__) < high, f"untested trl {trl.__version__}: rerun this file, then widen"
-    hooks = {
-        "_generate_and_score_completions": ["self", "inputs"],
-        "_prepare_inputs": ["self", "generation_batch"],
-        "_compute_loss": ["self", "model", "inputs"],
-    }
-    for name, parameters in hooks.items():
-        assert list(inspect.signature(getattr(GRPOTrainer, name)).parameters) == parameters, name
-    logps = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
-    assert list(logps)[:5] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep"]
-
+    assert list(inspect.signature(GRPOTrainer._compute_loss).parameters) == ["self", "model", "inputs"]
     compute = inspect.getsource(GRPOTrainer._compute_loss)
     forward, reads = compute.index("self._get_per_token_logps_and_entropies("), compute.index('inputs["advantages"]')
     assert forward < reads  # AR's single-iteration path fills the advantages from the forward before TRL reads them
@@ -489,6 +480,43 @@ def test_canary_trl_internals_the_subclass_overrides():
     assert "generate_every = self.args.steps_per_generation * self.num_iterations" in generate  # old logps exist
     assert 'output["old_per_token_logps"] = old_per_token_logps' in generate
     assert "GRPOTrainer" in adapter.LoptiGRPOTrainer.__mro__[1].__name__
+
+
+# --- override watch: one test per overridden TRL method ---------------------------------------------------------------
+
+OVERRIDDEN = sorted(
+    name for name in vars(LoptiGRPOTrainer) if not name.startswith("__") and callable(getattr(GRPOTrainer, name, None))
+)
+
+
+def test_every_override_is_recorded_and_documented():
+    """A new override must come with its recorded TRL signature and a line in the module docstring."""
+    assert sorted(adapter.OVERRIDES) == OVERRIDDEN, "record each overridden method's TRL signature in OVERRIDES"
+    for name in OVERRIDDEN:
+        assert f"``{name}``" in adapter.__doc__, f"{name}: say in the module docstring what it changes and why"
+
+
+@pytest.mark.parametrize("name", sorted(adapter.OVERRIDES))
+def test_override_watch_the_hooked_trl_signature_is_unchanged(name):
+    """Fails, naming the TRL version, when TRL changes (or drops) a method the subclass overrides."""
+    drift = adapter.signature_drift()
+    assert name not in drift, drift[name]
+
+
+def test_override_watch_sees_a_changed_signature_and_warns_at_construction(monkeypatch, peaky_model, dataset, tmp_path):
+    class Changed(GRPOTrainer):
+        def _prepare_inputs(self, generation_batch, stage):  # a TRL that added a parameter
+            return generation_batch
+
+    drift = adapter.signature_drift(Changed)
+    assert list(drift) == ["_prepare_inputs"]
+    assert (
+        f"TRL {trl.__version__} changed Changed._prepare_inputs(self, generation_batch, stage)"
+        in drift["_prepare_inputs"]
+    )
+    monkeypatch.setattr(adapter, "signature_drift", lambda: {"_prepare_inputs": "TRL x changed it"})
+    with pytest.warns(RuntimeWarning, match="TRL x changed it"):
+        make(LoptiGRPOTrainer, LoptiGRPOConfig, peaky_model, dataset, tmp_path)
 
 
 # --- K&K reward and dataset -------------------------------------------------------------------------------------------

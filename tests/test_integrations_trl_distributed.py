@@ -1,8 +1,9 @@
 """The real distributed path on CPU: ``torchrun`` starts two processes (gloo) running examples/trl/train_kk.py,
 TRL's GRPOTrainer subclass with AR + Lopti, for 2 RL steps on the bundled lab model with the K&K reward, and saves
 checkpoints. The model is loaded the standard way (AutoTokenizer, AutoModelForCausalLM) and prompted in the style its
-config names, so its rewards in TRL are those of lopti_lab's own rollouts of the same puzzles. One thread per
-process."""
+config names, so its rewards in TRL are those of lopti_lab's own rollouts of the same puzzles. The second test runs
+examples/trl/probe_any_run.py the same way: stock GRPOTrainer with TokenCreditCallback, its per-bin metrics reduced
+over the two ranks, and the PNG. One thread per process."""
 
 import json
 import os
@@ -94,3 +95,65 @@ def test_two_processes_train_two_rl_steps_with_ar_and_lopti_and_save_a_checkpoin
     trained = load_file(final / "model.safetensors")
     assert set(start) == set(trained)
     assert any(not torch.equal(start[k], trained[k]) for k in start)  # the two RL steps moved the weights
+
+
+DRIVER = """
+import json, os, sys
+sys.path.insert(0, sys.argv.pop(1))  # examples/trl: probe_any_run imports train_kk beside it
+import probe_any_run
+from lopti_lab.integrations import trl_callback
+
+finish = trl_callback.TokenCreditCallback._finish
+
+
+def recording(self):
+    reduced = finish(self)
+    with open(f"rank{os.environ['RANK']}.jsonl", "a") as f:
+        f.write(json.dumps({"local": self.last_local.pack().tolist(), "reduced": reduced}) + "\\n")
+    return reduced
+
+
+trl_callback.TokenCreditCallback._finish = recording
+probe_any_run.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_token_credit_on_stock_grpo_two_processes_reduces_over_ranks_and_draws_the_png(tmp_path):
+    """examples/trl/probe_any_run.py on two processes: TRL's own GRPOTrainer with TokenCreditCallback, the lab model,
+    3 optimizer steps. Each rank's local sums (recorded beside the run) differ, and every logged metric is the one
+    computed from their sum: the reduction covers both ranks' tokens, backwards and Fig. 3 counts."""
+    from lopti_lab.probes.credit import CreditSums
+
+    out = tmp_path / "run"
+    (tmp_path / "driver.py").write_text(DRIVER)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), str(tmp_path / "driver.py"), str(ROOT / "examples" / "trl"),
+        "--model_name_or_path", "lab", "--people", "2", "--train_limit", "8", "--max_steps", "3",
+        "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "256",
+        "--temperature", "1.0", "--learning_rate", "1e-5", "--output_dir", str(out), "--save_strategy", "no",
+        "--logging_steps", "1", "--report_to", "none", "--use_cpu", "true", "--bf16", "false",
+        "--activation_checkpointing", "false", "--disable_tqdm", "true", "--seed", "0",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "probe_any_run: 3 measured steps on 2 process(es) (MULTI_CPU)" in result.stdout
+
+    rows = [json.loads(line) for line in (out / "token_credit.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    png = (out / "token_credit.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+    ranks = [[json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    for row, mine, theirs in zip(rows, *ranks, strict=True):
+        assert mine["local"] != theirs["local"]  # each rank measured its own rows
+        total = torch.tensor(mine["local"]) + torch.tensor(theirs["local"])
+        expected = CreditSums().reduced(lambda t, total=total: total).metrics()
+        for key, value in expected.items():
+            for logged in (mine["reduced"][key], theirs["reduced"][key], row[key]):
+                assert logged == pytest.approx(value, nan_ok=True) or (logged is None and value != value), key
+        assert sum(row[f"tokens/share_bin{k}"] for k in range(4)) == pytest.approx(1.0)
+        grad = sum(row[f"grad/share_bin{k}"] for k in range(4)) + row["grad/share_context"]
+        assert grad == pytest.approx(1.0, abs=1e-4)  # bins + context = the whole gradient, to float32 rounding
+        assert sum(row[f"fig3/q/n_bin{k}"] for k in range(4)) > 0

@@ -8,7 +8,11 @@
 
 Everything TRL does stays TRL's: generation (HF or vLLM), reward gathering, group advantages, the optimizer, the
 scheduler, gradient accumulation, clipping, DeepSpeed/FSDP step counting, checkpoints. The subclass overrides four
-hooks and calls ``lopti_lab.objective`` for the math (docs/paper.md §3-4):
+methods, each because it changes the loss (a callback cannot: the per-bin measurements live in
+``integrations.trl_callback.TokenCreditCallback``, which attaches to this trainer as to TRL's), and calls
+``lopti_lab.objective`` for the math (docs/paper.md §3-4). ``OVERRIDES`` records the signature of each hooked method
+in the TRL version it was written against; tests/test_integrations_trl.py fails, naming the TRL version, when one
+changes:
 
 ``_generate_and_score_completions``  once per generation: AR advantages (B, T) = [alpha * pi_old + (1 - alpha)] * A
     from the rollout policy's old log-probs (at the sampling temperature: TRL's fused LM head divides by it), and
@@ -18,9 +22,10 @@ hooks and calls ``lopti_lab.objective`` for the math (docs/paper.md §3-4):
     advantage mask. pi_old (``old_per_token_logps``) is the buffered tensor, NOT recomputed between the stages, so
     stage 2's ratio and clipping see stage 1's drift, as in the paper's code. Also rewrites ``num_items_in_batch``
     so that DAPO's normaliser is each optimizer step's own response-token count (``minibatch_token_mean``).
-``_compute_loss`` + ``_get_per_token_logps_and_entropies``  AR where TRL keeps no old log-probs (one optimizer step
-    per generation, weights unchanged until it): the update's own forward IS pi_old, so AR reads it there, detached,
-    before TRL reads the advantages. This costs no extra forward.
+``compute_loss`` (public) + ``_get_per_token_logps_and_entropies``  AR where TRL keeps no old log-probs (one
+    optimizer step per generation, weights unchanged until it): the update's own forward IS pi_old, so AR reads it
+    there, detached, before TRL reads the advantages. This costs no extra forward. ``compute_loss`` only marks the
+    micro-step's inputs, on Trainer's public method (a stabler signature than the private ``_compute_loss``).
 
 The stage mask goes in as TRL's ``tool_mask`` (a loss-only mask; the attention mask is untouched), so the policy
 term, the KL term and the clip metrics of a stage cover only its tokens, while DAPO's denominator, fixed at
@@ -38,8 +43,8 @@ Shape legend: B rows of a process's slice (prompts x G / processes / steps), T c
 from __future__ import annotations
 
 import functools
+import inspect
 import json
-import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,20 +54,38 @@ import torch
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
+from lopti_lab.checks import FieldCheck
+from lopti_lab.configs import field_docs
 from lopti_lab.kk import Puzzle, build_prompt, score_response
+from lopti_lab.methods import Method, check_switches
 from lopti_lab.objective import lopti_stages, reweight_advantages
 
 __all__ = [
+    "OVERRIDES",
     "TESTED_TRL",
     "LoptiGRPOConfig",
     "LoptiGRPOTrainer",
     "kk_dataset",
     "kk_reward",
+    "signature_drift",
 ]
 
 TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the TRL versions this adapter was tested against (pyproject pins it)
+# the GRPOTrainer methods the subclass overrides, with their signatures (annotations left out) in TESTED_TRL[0]
+OVERRIDES = {
+    "_generate_and_score_completions": "(self, inputs)",
+    "_prepare_inputs": "(self, generation_batch)",
+    "compute_loss": "(self, model, inputs, return_outputs=False, num_items_in_batch=None)",
+    "_get_per_token_logps_and_entropies": (
+        "(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "
+        "compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, pixel_attention_mask=None, "
+        "spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None, mm_token_type_ids=None, "
+        "image_position_ids=None)"
+    ),
+}
 LOPTI_LOSS_TYPES = ("dapo", "dr_grpo", "cispo")  # losses whose denominator does not depend on the mask (Lopti's need)
 STAGE_MASK = "lopti_stage_mask"  # buffered (B, stages, T) masks, in stage order
+SWITCH_DOCS = field_docs(Method)  # the help of the switches LoptiGRPOConfig carries
 SEQUENCE_ADVANTAGES = "sequence_advantages"  # buffered (B,) GRPO advantages before AR, for logs and tests
 
 
@@ -76,18 +99,10 @@ class LoptiGRPOConfig(GRPOConfig):
     as in TRL; ``rl_steps`` counts generations.
     """
 
-    ar_alpha: float | None = field(
-        default=None,
-        metadata={"help": "Advantage Reweighting alpha in [0, 1] (the paper: 0.3 on K&K); None = off."},
-    )
-    lopti_eta: float | None = field(
-        default=None,
-        metadata={"help": "Lopti threshold in (0, 1): tokens with pi_old < eta are updated first (the paper: 0.5)."},
-    )
-    lopti_order: str = field(
-        default="low_first",
-        metadata={"help": "'low_first' (Lopti) or 'high_first' (the paper's ablation, which collapses)."},
-    )
+    # the method's switches: declared, documented and checked in methods.Method
+    ar_alpha: float | None = field(default=Method.ar_alpha, metadata={"help": SWITCH_DOCS["ar_alpha"]})
+    lopti_eta: float | None = field(default=Method.lopti_eta, metadata={"help": SWITCH_DOCS["lopti_eta"]})
+    lopti_order: str = field(default=Method.lopti_order, metadata={"help": SWITCH_DOCS["lopti_order"]})
     minibatch_token_mean: bool = field(
         default=True,
         metadata={
@@ -134,12 +149,7 @@ def _validate(c: LoptiGRPOConfig) -> None:
         if not ok:
             raise ValueError(f"LoptiGRPOConfig.{name} {what}, got {getattr(c, name)!r}")
 
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-    need(c.ar_alpha is None or (number(c.ar_alpha) and 0.0 <= c.ar_alpha <= 1.0), "ar_alpha", "must be in [0, 1]")
-    need(c.lopti_eta is None or (number(c.lopti_eta) and 0.0 < c.lopti_eta < 1.0), "lopti_eta", "must be in (0, 1)")
-    need(c.lopti_order in ("low_first", "high_first"), "lopti_order", "must be 'low_first' or 'high_first'")
+    check_switches(FieldCheck(c), ("ar_alpha", "lopti_eta", "lopti_order"))
     need(c.rl_steps is None or (isinstance(c.rl_steps, int) and c.rl_steps >= 1), "rl_steps", "must be an int >= 1")
     steps, accumulation = c.steps_per_generation, c.gradient_accumulation_steps
     layout = f"(steps_per_generation S = {steps}, gradient_accumulation_steps GA = {accumulation})"
@@ -272,26 +282,53 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
     # --- AR from the update's own forward (TRL's single-iteration path) --------------------------------------------
 
-    def _compute_loss(self, model, inputs):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.args.ar_alpha is not None and inputs.get("old_per_token_logps") is None:
             # one optimizer step per generation and no step yet: this forward's log-probs are the rollout policy's
             inputs = dict(inputs)
             self._ar_from_forward = inputs
         try:
-            return super()._compute_loss(model, inputs)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             self._ar_from_forward = None
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         pending, self._ar_from_forward = self._ar_from_forward, None
-        if pending is not None:  # the policy forward of _compute_loss, before it reads inputs["advantages"]
+        if pending is not None:  # the policy forward of compute_loss, before it reads inputs["advantages"]
             pending["advantages"] = self._reweighted(pending["advantages"], logps.detach(), loss_mask(pending))
         return logps, entropies, aux_loss
 
 
+def _unannotated(method) -> str:
+    """A method's signature without annotations: "(self, model, inputs)"."""
+    sig = inspect.signature(method)
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
+def signature_drift(base: type = GRPOTrainer) -> dict[str, str]:
+    """{method: message} for each overridden method of ``base`` whose signature is not the one ``OVERRIDES``
+    recorded (or that ``base`` no longer has); empty when TRL still has every hooked method as recorded."""
+    import trl
+
+    drift = {}
+    for name, recorded in OVERRIDES.items():
+        method = getattr(base, name, None)
+        now = "(missing)" if method is None else _unannotated(method)
+        if now != recorded:
+            drift[name] = (
+                f"TRL {trl.__version__} changed {base.__name__}.{name}{now}; LoptiGRPOTrainer overrides the "
+                f"{name}{recorded} of TRL {TESTED_TRL[0]}: check the override against the new code, then record it"
+            )
+    return drift
+
+
 def _warn_untested_trl() -> None:
     import trl
+
+    for message in signature_drift().values():
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     low, high = (Version(v) for v in TESTED_TRL)
     if not low <= Version(trl.__version__) < high:
