@@ -6,6 +6,7 @@
     lopti-lab pretrain  lab.pretrain.PretrainConfig   the lab model's warm start
     lopti-lab demo      studies.config.DemoConfig     the four methods on the lab model, and a report
     lopti-lab hardlab   studies.config.HardLabConfig  the four methods on the hard lab model (docs/hard_lab.md)
+    lopti-lab confirm   studies.config.ConfirmConfig  the hard lab's confirmatory study, seeds 5-14 (docs/hard_lab.md)
     lopti-lab mechanism studies.mechanism.MechanismConfig
                                                   the paper's Fig. 1 and Fig. 3, as it measured them
     lopti-lab plan      train_config.TrainConfig      a step's peak GPU memory and whether it fits (plan.py)
@@ -103,6 +104,11 @@ COMMANDS: dict[str, Command] = {
             "hardlab",
             "the four methods on the hard lab model, 5 seeds x 60 steps, and a report (CPU, about 3 hours on 2 cores)",
             "lopti_lab.studies.config:HardLabConfig",
+        ),
+        _study(
+            "confirm",
+            "the hard lab's pre-registered confirmatory study: GRPO, +AR, +Lopti on fresh seeds 5-14, and a report",
+            "lopti_lab.studies.config:ConfirmConfig",
         ),
         _study(
             "mechanism",
@@ -443,6 +449,7 @@ RUNNERS: dict[str, Callable[[Any, argparse.Namespace], int]] = {
     "pretrain": run_pretrain,
     "demo": run_demo,
     "hardlab": run_demo,
+    "confirm": run_demo,
     "mechanism": run_mechanism,
     "plan": run_plan,
 }

@@ -9,6 +9,8 @@ A run folder (``TrainConfig.run_dir``) holds everything needed to reload, compar
                                      scaler.pt (a float16 run's loss-scaler state), state.json (the step, and each
                                      file's size and sha256)
     checkpoints/latest               the name of the newest complete checkpoint ("step_{k}")
+    times.json                       wall-clock times (UTC): the first start, the end of training, and each
+                                     process's [start, end] (``RunFolder.mark``, ``load_times``)
     lock                             the writer's lock (``writer_lock``): one process writes a run at a time
 
 Crash consistency (lopti_lab.durable has the primitives). Every write reaches the disk in this order, so a kill or a
@@ -85,6 +87,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
@@ -107,11 +110,13 @@ __all__ = [
     "load_config",
     "load_metrics",
     "load_run",
+    "load_times",
     "save_checkpoint",
     "writer_lock",
 ]
 
 CONFIG, METRICS, CHECKPOINTS, LATEST, LOCK = "config.json", "metrics.jsonl", "checkpoints", "latest", "lock"
+TIMES = "times.json"
 PARTIAL = ".partial"
 STEP_FOLDER = re.compile(r"step_(\d+)")
 
@@ -185,6 +190,24 @@ class RunFolder:
         """Append one step's record durably (flush + fsync), so an interrupted run keeps every completed step."""
         durable.append(self.metrics_path, (json.dumps(_plain(record), allow_nan=True) + "\n").encode())
 
+    def mark(self, event: str) -> dict:
+        """Record in times.json, atomically, that the run's process starts ("start") or has trained its last step
+        ("end") now: ``start`` stays the first start (a resume keeps it), ``end`` is the latest end, and ``sessions``
+        lists each process's [start, end] (end null while it runs or after a kill), so a resumed run's time is their
+        sum. Returns the times as written."""
+        if event not in ("start", "end"):
+            raise ValueError(f"event must be 'start' or 'end', got {event!r}")
+        now = datetime.now(UTC).isoformat(timespec="seconds")
+        times = load_times(self.path) or {"start": now, "end": None, "sessions": []}
+        if event == "start":
+            times["sessions"].append([now, None])
+        else:
+            times["end"] = now
+            if times["sessions"]:
+                times["sessions"][-1][1] = now
+        durable.atomic_write(self.path / TIMES, (json.dumps(times, indent=1) + "\n").encode())
+        return times
+
     def truncate(self, step: int) -> None:
         """Keep only the records of steps <= ``step`` (their lines byte for byte), atomically."""
         lines = (
@@ -208,6 +231,21 @@ def load_config(path: str | Path) -> dict:
     if not isinstance(config, dict):
         raise RunFolderError(f"{file}: a JSON {type(config).__name__}, not an object of TrainConfig fields")
     return config
+
+
+def load_times(path: str | Path) -> dict | None:
+    """A run folder's times.json (``RunFolder.mark``): {"start", "end", "sessions"}, ISO 8601 UTC; None for a run
+    that has none (one trained before runs recorded their times); RunFolderError naming the file if damaged."""
+    file = Path(path) / TIMES
+    if not file.is_file():
+        return None
+    try:
+        times = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise RunFolderError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(times, dict) or not {"start", "end", "sessions"} <= times.keys():
+        raise RunFolderError(f"{file}: must be a JSON object with start, end and sessions")
+    return times
 
 
 def load_metrics(path: str | Path) -> list[dict]:

@@ -176,6 +176,11 @@ class TrainConfig:
     """temperature of the "sample" evaluation (the paper: 1.0)"""
     eval_max_new_tokens: int | None = None
     """response cap at evaluation; None = max_new_tokens"""
+    eval_full_steps: tuple[int, ...] = ()
+    """steps whose evaluation is the full one, eval_full_samples completions per puzzle in the "sample" mode (the
+    confirmatory study's last three: its primary measure), evaluated whatever eval_every says; () = none"""
+    eval_full_samples: int | None = None
+    """completions per puzzle in the "sample" mode at eval_full_steps; None = eval_samples"""
     probe_every: int = 0
     """log per-bin token and gradient shares every N steps (lopti_lab.probes); 0 = off"""
     shift_every: int = 0
@@ -204,6 +209,7 @@ class TrainConfig:
             "eval_modes",
             "probe_bins",
             "clip_cov_band",
+            "eval_full_steps",
         ):
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):  # JSON gives lists; keep tuples so configs compare equal
@@ -252,11 +258,20 @@ class TrainConfig:
         return self._carry(SamplingSpec, batch_size=self.generate_batch_size,
                            logprob_batch_size=self.logprob_batch_size)  # fmt: skip
 
-    def eval_spec(self) -> EvalSpec:
-        """The run's test evaluations (``evaluate.evaluate``), seeded with the run's seed."""
+    def eval_spec(self, step: int | None = None) -> EvalSpec:
+        """The run's test evaluation (``evaluate.evaluate``) at ``step``, seeded with the run's seed: the full one
+        (eval_full_samples) at eval_full_steps, else eval_samples per puzzle (``step`` None: the latter)."""
+        full = step in self.eval_full_steps and self.eval_full_samples is not None
+        samples = self.eval_full_samples if full else self.eval_samples
         return EvalSpec(prompt_style=self.prompt_style, max_new_tokens=self.eval_max_new_tokens or self.max_new_tokens,
-                        modes=self.eval_modes, samples=self.eval_samples, temperature=self.eval_temperature,
+                        modes=self.eval_modes, samples=samples, temperature=self.eval_temperature,
                         batch_size=self.generate_batch_size, seed=self.seed, fast_path=self.fast_path)  # fmt: skip
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether RL step ``step`` ends with a test evaluation: every eval_every steps, at eval_full_steps and after
+        the last step (eval_people empty: never)."""
+        every = bool(self.eval_every) and step % self.eval_every == 0
+        return bool(self.eval_people) and (step == self.steps or every or step in self.eval_full_steps)
 
     def _carry(self, spec: type, **given):
         """``spec`` with ``given``, its other fields carried from this config's fields of the same names."""
@@ -397,6 +412,11 @@ def _check_schedule(c: TrainConfig, check: FieldCheck) -> None:
     check.integer("eval_samples", low=1)
     check.real("eval_temperature", low=0, low_open=True)
     check.integer("eval_max_new_tokens", low=1, optional=True)
+    check.items("eval_full_steps", lambda k: is_int(k) and 1 <= k <= c.steps, f"steps in 1 .. steps ({c.steps})",
+                nonempty=False, distinct=True)  # fmt: skip
+    check.integer("eval_full_samples", low=1, optional=True)
+    full_off = c.eval_full_samples is None or bool(c.eval_full_steps)
+    check.need(full_off, "eval_full_samples", "is unused without eval_full_steps: name the steps, or leave it None")
     check.integer("probe_every", low=0)
     check.integer("shift_every", low=0)
     check.integer("shift_rows", low=1, optional=True)
@@ -415,6 +435,7 @@ def _check_schedule(c: TrainConfig, check: FieldCheck) -> None:
             split_files(split, getattr(c, name), c.data_root) if getattr(c, name) else None
         except FileNotFoundError as err:
             raise ValueError(f"TrainConfig.{name}: {err}") from None
+
 
 def _people_count(n) -> bool:
     return is_int(n) and n >= 2

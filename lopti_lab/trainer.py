@@ -346,10 +346,14 @@ def _train(cfg: TrainConfig, callbacks: Iterable[Callback], resume: bool) -> Tra
     eval_set = load_split("test", cfg.eval_people, cfg.data_root, cfg.eval_size) if cfg.eval_people else []
     if point is None:
         folder.write_config(cfg.to_dict())  # the run exists from here: a kill while the model loads can resume
+    folder.mark("start")  # times.json: a resume keeps the first start and adds its own session
     run = _Run.load(cfg, device, folder, stream, eval_set)
     if point is not None:
         run.resume(point)
-    return run.steps(callbacks)
+    result = run.steps(callbacks)
+    if run.history and run.history[-1]["step"] == cfg.steps:
+        folder.mark("end")
+    return result
 
 
 @dataclass
@@ -402,9 +406,9 @@ class _Run:
         measure = cfg.shift_every > 0 and step % cfg.shift_every == 0
         metrics = {"step": step, **train_step(self.model, self.tokenizer, self.optimizer, self.stream.batch(step), cfg,
                                               self.reference, probe, measure, scaler=self.scaler)}  # fmt: skip
-        if self.eval_set and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+        if self.eval_set and cfg.evaluates_at(step):
             t_eval = time.perf_counter()
-            metrics.update(evaluate(self.model, self.tokenizer, self.eval_set, cfg.eval_spec()))
+            metrics.update(evaluate(self.model, self.tokenizer, self.eval_set, cfg.eval_spec(step)))
             metrics["time/eval"] = time.perf_counter() - t_eval
         metrics["time/step"] = time.perf_counter() - t0
         self.folder.log(metrics)

@@ -135,6 +135,12 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "eval_samples": [("out of range", 0)],
         "eval_temperature": [("out of range", 0.0)],
         "eval_max_new_tokens": [("out of range", 0)],
+        "eval_full_steps": [
+            ("out of range", (0,)),
+            ("past the last step", Combo({"steps": 10, "eval_full_steps": (20,)})),
+            ("repeated", (5, 5)),
+        ],
+        "eval_full_samples": [("out of range", 0), ("inconsistent: without eval_full_steps", 8)],
         "probe_every": [("out of range", -1)],
         "shift_every": [("out of range", -1)],
         "shift_rows": [("out of range", 0)],

@@ -23,10 +23,14 @@ from lopti_lab.methods import METHOD_FIELDS, METHODS, PAPER, run_name
 from lopti_lab.train_config import TrainConfig
 
 __all__ = [
+    "CONFIRM_METHODS",
+    "CONFIRM_PRIMARY",
+    "CONFIRM_TRAIN",
     "DEMO_TRAIN",
     "HARD_TRAIN",
     "PER_RUN",
     "QUICK_TRAIN",
+    "ConfirmConfig",
     "DemoConfig",
     "HardLabConfig",
     "StudyConfig",
@@ -99,6 +103,9 @@ class StudyConfig:
     PRIMARY: ClassVar[str | None] = None
     """A pre-registered primary measure, the column of the last-3 sampled accuracy whose paired difference to GRPO
     the report states first (None: none)."""
+    PRIMARY_COMPARISONS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    """Pre-registered primary comparisons, (method, column) each against GRPO, Holm-corrected together
+    (``studies.primary.primary_table``; (): none)."""
 
     out: str = "reports/study"
     """report folder (created; runs/ inside holds each run folder)"""
@@ -139,7 +146,7 @@ class StudyConfig:
             value, default = getattr(self.train, name), getattr(defaults, name)
             if value != default:
                 what = (
-                    "each run's seed is 0 .. seeds - 1" if name == "seed" else "each run sets it (its method, folder)"
+                    "each run sets its seed (seed_list)" if name == "seed" else "each run sets it (its method, folder)"
                 )
                 raise ValueError(f"{owner}.train.{name} must be left at its default {default!r}: {what}, got "
                                  f"{value!r}")  # fmt: skip
@@ -164,10 +171,15 @@ class StudyConfig:
         """The TrainConfig of one run: every method shares everything but its own switches."""
         return replace(self.train, seed=seed, run_dir=str(run_dir), **METHODS[method].overrides())
 
+    @property
+    def seed_list(self) -> tuple[int, ...]:
+        """The seeds of the runs: 0 .. seeds - 1 (a confirmatory study starts past the exploratory one's)."""
+        return tuple(range(self.seeds))
+
     def run_dirs(self) -> dict[tuple[str, int], Path]:
         """{(method, seed): run folder} of every run of the study, in training order (seed by seed)."""
         root = Path(self.out) / "runs"
-        return {(m, s): root / run_name(m, seed=s) for s in range(self.seeds) for m in self.methods}
+        return {(m, s): root / run_name(m, seed=s) for s in self.seed_list for m in self.methods}
 
     def run_configs(self) -> dict[tuple, TrainConfig]:
         """{key: the TrainConfig of that run} for every run of the study (key: its run_dirs key)."""
@@ -231,3 +243,69 @@ class HardLabConfig(DemoConfig):
     train: TrainConfig = field(default_factory=lambda: TrainConfig(**HARD_TRAIN))
     """the settings every run shares (a dict of fields is read as changes to HARD_TRAIN); each run sets its own
     seed, folder and method switches (PER_RUN)"""
+
+
+CONFIRM_TRAIN = {
+    **HARD_TRAIN,
+    "eval_people": (2, 3),
+    "eval_size": 100,
+    "eval_samples": 2,
+    "eval_full_steps": (40, 50, 60),
+    "eval_full_samples": 8,
+}
+"""The confirmatory study's TrainConfig fields (docs/hard_lab.md, "Confirmatory study: pre-registration"): the hard
+lab's training settings unchanged (``HARD_TRAIN``), evaluated at 2 and 3 people only (4 people scored 0.00 in every
+run of the exploratory study) on all 100 test puzzles per count: greedy and 8 samples at T = 1.0 at steps 40, 50 and
+60 (the primary measure's three points), greedy and 2 samples at steps 10, 20 and 30 (the curves)."""
+
+CONFIRM_PRIMARY = (("GRPO+Lopti", "3ppl"), ("GRPO+AR", "3ppl"), ("GRPO+Lopti", "2ppl"))
+"""The confirmatory study's primary comparisons, (method, people column) each against GRPO at the same seed: the
+two fixes at 3 people, the hardest trained count, and Lopti at 2 people, the exploratory study's lead."""
+
+CONFIRM_METHODS = ("GRPO", "GRPO+AR", "GRPO+Lopti")
+"""The confirmatory study's methods: GRPO and the two fixes its primary comparisons name (GRPO+AR+Lopti only with
+``with_ar_lopti``: the budget did not allow it, docs/hard_lab.md)."""
+
+
+@dataclass
+class ConfirmConfig(HardLabConfig):
+    """`lopti-lab confirm`: the hard lab's confirmatory study on fresh seeds (5 .. 14, none of the exploratory
+    study's), pre-registered in docs/hard_lab.md before its first run; its primary analysis is
+    ``studies.stats.primary_table``."""
+
+    TITLE: ClassVar[str] = "hard lab, confirmatory: GRPO, AR and Lopti on fresh seeds"
+    TRAIN_DEFAULTS: ClassVar[dict] = CONFIRM_TRAIN
+    PRIMARY_COMPARISONS: ClassVar[tuple[tuple[str, str], ...]] = CONFIRM_PRIMARY
+    QUICK: ClassVar[dict] = {**QUICK_TRAIN, "eval_every": 1, "shift_every": 1, "eval_full_steps": (2,),
+                             "eval_full_samples": 2}  # fmt: skip
+    """the smoke version: the curve evaluation at step 1, the full one (2 samples) at step 2"""
+    out: str = "reports/hard_lab_confirm"
+    """report folder (created; runs/ inside holds each run folder)"""
+    seeds: int = 10
+    """seeds per method (the pre-registered study: 10, first_seed .. first_seed + 9)"""
+    first_seed: int = 5
+    """the first seed (the exploratory study used 0-4: the confirmatory one starts at 5)"""
+    methods: tuple[str, ...] = CONFIRM_METHODS
+    """the methods to train (lopti_lab.methods); GRPO and the primary comparisons' two fixes"""
+    with_ar_lopti: bool = False
+    """also train GRPO+AR+Lopti (a secondary comparison; about 2 more hours on two cores: docs/hard_lab.md)"""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(**CONFIRM_TRAIN))
+    """the settings every run shares (a dict of fields is read as changes to CONFIRM_TRAIN); each run sets its own
+    seed, folder and method switches (PER_RUN)"""
+
+    def check(self, check: FieldCheck) -> None:
+        super().check(check)
+        check.integer("first_seed", 0, 2**32 - 1 - self.seeds)
+        check.flag("with_ar_lopti")
+        check.need("GRPO" in self.methods, "methods", "must hold GRPO: every primary comparison is paired with it")
+        if self.with_ar_lopti and "GRPO+AR+Lopti" not in self.methods:
+            self.methods = (*self.methods, "GRPO+AR+Lopti")
+
+    @property
+    def seed_list(self) -> tuple[int, ...]:
+        return tuple(range(self.first_seed, self.first_seed + self.seeds))
+
+    def curve_steps(self) -> tuple[int, ...]:
+        """The steps evaluated with the curves' cheaper evaluation (every eval_every steps, not a full one)."""
+        train = self.train
+        return tuple(k for k in range(1, train.steps + 1) if train.evaluates_at(k) and k not in train.eval_full_steps)

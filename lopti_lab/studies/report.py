@@ -14,6 +14,7 @@ from lopti_lab import plots, plots_methods, runs
 from lopti_lab.counterfactual import Counterfactual
 from lopti_lab.studies import curves
 from lopti_lab.studies.config import DemoConfig
+from lopti_lab.studies.primary import PRIMARY_STEPS, primary_markdown, primary_table
 from lopti_lab.studies.tables import (
     accuracy_markdown,
     accuracy_table,
@@ -56,6 +57,12 @@ def over_training(config: DemoConfig, run_dirs: dict, warm: dict) -> dict[str, p
     tables["auc"] = curves.area_under_curve(tables["curves_sample"])
     tables["paired_auc"] = paired_per_seed(tables["auc"], columns)
     tables["late_gain"] = curves.late_gain(tables["curves_sample"])
+    # the pre-registered primary comparisons (those whose method ran), on the full evaluations' steps
+    present = set(config.methods) & {"GRPO"} and set(tables["curves_sample"].columns)
+    chosen = [(m, c) for m, c in config.PRIMARY_COMPARISONS if m in config.methods and c in present]
+    if chosen and config.seeds > 1:
+        steps = config.train.eval_full_steps or PRIMARY_STEPS
+        tables["primary"] = primary_table(tables["curves_sample"], chosen, steps)
     return tables
 
 
@@ -134,6 +141,11 @@ def _over_training_text(tables: dict[str, pd.DataFrame], config: DemoConfig) -> 
         cells = ", ".join(f"{c.removesuffix('ppl')} {part[c].mean():+.3f}" for c in late.columns if c.endswith("ppl"))
         late_lines.append(f"- {model.removeprefix('+ ')}: {cells}, avg {part['avg'].mean():+.3f}")
     primary = _primary_text(tables["paired_last3_sample"], config.PRIMARY) if config.PRIMARY else ""
+    if "primary" in tables:  # the confirmatory study's own analysis replaces the single primary column
+        table = tables["primary"]
+        primary = (f"\n**The pre-registered primary comparisons** (`primary.csv`; docs/hard_lab.md, \"Confirmatory "
+                   f"study: pre-registration\"): paired t over seeds, Holm's correction over the {len(table)}, "
+                   f"detectable effect at 80% power:\n\n{primary_markdown(table)}")  # fmt: skip
     hardest = f"{max(config.train.train_people)}ppl"
     curve = _curve_markdown(tables["bands_sample"], hardest) if hardest in set(tables["bands_sample"]["column"]) else ""
     return f"""

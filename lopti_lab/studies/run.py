@@ -45,7 +45,7 @@ def run_demo(config: DemoConfig) -> Path:
 def _run_demo(config: DemoConfig) -> Path:
     out = Path(config.out)
     start = time.perf_counter()
-    base = config.train_config(config.methods[0], 0, out / "runs" / "probe")
+    base = config.train_config(config.methods[0], config.seed_list[0], out / "runs" / "probe")
     run_dirs = config.run_dirs()
     todo = [c for c in config.run_configs().values() if not finished(c)]
     reused = len(run_dirs) - len(todo)  # earlier, complete runs of the same report are kept
@@ -62,7 +62,7 @@ def _warm_start_and_counterfactual(config: DemoConfig, base: TrainConfig) -> tup
     model, tokenizer = load_policy(base.model, lora=None)
     # the warm start under each seed's evaluation seed: run s is compared with warm[s], and their mean over seeds
     # is measured with the same sampling noise as the runs' (one evaluation of 200 puzzles has an SE of about 0.02)
-    warm = {seed: warm_start_eval(config, model, tokenizer, seed=seed) for seed in range(config.seeds)}
+    warm = {seed: warm_start_eval(config, model, tokenizer, seed=seed) for seed in config.seed_list}
     batch = frozen_batch(
         model,
         tokenizer,
