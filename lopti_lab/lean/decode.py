@@ -123,23 +123,22 @@ def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
 
 
 class _Cache:
-    """The live rows' keys and values, allocated at their final length L = P + max_new_tokens and written in place.
-    ``visible`` (b, L) marks the keys a row may attend to: its real prompt tokens and every response column (a row
-    reads the response columns up to its current token only)."""
+    """Keys and values: each prompt's once for its G rows (n, K, P, D), as the prefill gave them, and the live rows'
+    responses (b, K, max_new_tokens, D), allocated at their final length and written in place. ``prompt_bias``
+    (n, 1, 1, P) is 0 on a prompt's real tokens and -inf on its padding; a row sees every response column so far.
+    ``rows`` (b,) is each batch row's original row, prompt rows // G, member rows % G."""
 
     def __init__(self, prompt_kv, prompt_mask: torch.Tensor, group_size: int, max_new_tokens: int):
         n, kv_heads, P, dim = prompt_kv[0][0].shape
-        B, L = n * group_size, P + max_new_tokens
-        self.keys, self.values = [], []
-        for k, v in prompt_kv:
-            keys, values = k.new_empty(B, kv_heads, L, dim), v.new_empty(B, kv_heads, L, dim)  # (B, K, L, D)
-            keys[:, :, :P] = k.repeat_interleave(group_size, 0)
-            values[:, :, :P] = v.repeat_interleave(group_size, 0)
-            self.keys.append(keys)
-            self.values.append(values)
-        self.visible = torch.ones(B, L, dtype=torch.bool, device=prompt_mask.device)  # (B, L)
-        self.visible[:, :P] = prompt_mask.bool().repeat_interleave(group_size, 0)
-        self.length = P
+        B = n * group_size
+        self.prompt = [(k.contiguous(), v.contiguous()) for k, v in prompt_kv]  # (n, K, P, D) each
+        self.prompt_bias = torch.zeros(n, 1, 1, P, dtype=prompt_kv[0][0].dtype, device=prompt_mask.device)
+        self.prompt_bias.masked_fill_(~prompt_mask.bool()[:, None, None, :], -float("inf"))
+        self.keys = [k.new_empty(B, kv_heads, max_new_tokens, dim) for k, _ in prompt_kv]  # (B, K, T, D)
+        self.values = [v.new_empty(B, kv_heads, max_new_tokens, dim) for _, v in prompt_kv]
+        self.group_size = group_size
+        self.rows = torch.arange(B, device=prompt_mask.device)  # (b,)
+        self.length = 0  # response tokens written
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the current batch); copies the used columns only."""
@@ -149,7 +148,35 @@ class _Cache:
                 kept = full.new_empty(len(rows), *full.shape[1:])
                 kept[:, :, :used] = full[rows, :, :used]
                 store[i] = kept
-        self.visible = self.visible[rows]
+        self.rows = self.rows[rows]
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T + bias) v of scaled queries q (b, K, Q, D) (a key/value head's Q query heads as rows) over
+        their prompt's keys and their response's keys so far: (b, K, Q, D). A prompt's keys are read once for its
+        G rows: the queries sit in (n, G) slots (a finished row's slot holds zeros, its output unused)."""
+        (prompt_k, prompt_v), keys, values = self.prompt[layer], self.keys[layer], self.values[layer]
+        n, K, P, _ = prompt_k.shape
+        b, Q, G, t = q.shape[0], q.shape[2], self.group_size, self.length + 1
+        full = b == n * G  # no row has left the batch yet: batch row i is slot i
+
+        def to_slots(x):  # (b, K, Q, m) -> (n, K, G Q, m), a prompt's rows together
+            if not full:
+                x = x.new_zeros(n * G, *x.shape[1:]).index_copy_(0, self.rows, x)
+            return x.view(n, G, K, Q, -1).transpose(1, 2).reshape(n, K, G * Q, x.shape[-1])
+
+        def from_slots(x):  # (n, K, G Q, m) -> (b, K, Q, m)
+            x = x.view(n, K, G, Q, -1).transpose(1, 2).reshape(n * G, K, Q, x.shape[-1])
+            return x if full else x[self.rows]
+
+        scores = torch.cat(
+            [
+                from_slots(torch.matmul(to_slots(q), prompt_k.transpose(-1, -2)) + self.prompt_bias),
+                torch.matmul(q, keys[:, :, :t].transpose(-1, -2)),
+            ],
+            dim=-1,
+        ).softmax(-1)  # (b, K, Q, P + t)
+        on_prompt = from_slots(torch.matmul(to_slots(scores[..., :P]), prompt_v))  # (b, K, Q, D)
+        return on_prompt + torch.matmul(scores[..., P:], values[:, :, :t])
 
 
 class _Layers:
@@ -191,19 +218,14 @@ class _Layers:
         x = self.core.embed_tokens(tokens)  # (b, E)
         cos, sin = self.core.rotary_emb(x, positions[:, None])  # (b, 1, D) each
         sin = sin * self.sign  # rotate_half(x) * sin == roll(x, D / 2) * (sign * sin), exactly
-        visible = cache.visible[:, None, None, : column + 1]  # (b, 1, 1, L')
-        for (norm1, qkv, o_proj, norm2, gate_up, act, down, scaling), keys, values in zip(
-            self.layers, cache.keys, cache.values, strict=True
-        ):
+        for i, (norm1, qkv, o_proj, norm2, gate_up, act, down, scaling) in enumerate(self.layers):
             projected = qkv(norm1(x)).view(b, H + 2 * K, D)  # (b, H + 2K, D): [q | k | v] heads
             qk = projected[:, : H + K]
             qk = qk * cos + qk.roll(D // 2, -1) * sin  # (b, H + K, D) rotary, HF's apply_rotary_pos_emb
-            keys[:, :, column] = qk[:, H:]
-            values[:, :, column] = projected[:, H + K :]
-            grouped = qk[:, :H].view(b, K, H // K, D)  # a key/value head's query heads as rows of one matrix
-            attended = F.scaled_dot_product_attention(
-                grouped, keys[:, :, : column + 1], values[:, :, : column + 1], attn_mask=visible, scale=scaling
-            )  # (b, K, H / K, D)
+            cache.keys[i][:, :, column] = qk[:, H:]
+            cache.values[i][:, :, column] = projected[:, H + K :]
+            grouped = qk[:, :H].view(b, K, H // K, D) * scaling  # a key/value head's query heads as rows
+            attended = cache.attend(i, grouped)  # (b, K, H / K, D)
             x = x + o_proj(attended.reshape(b, H * D))  # (b, E)
             gate, up = gate_up(norm2(x)).chunk(2, -1)  # (b, I) each
             x = x + down(act(gate) * up)
