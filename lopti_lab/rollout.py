@@ -239,13 +239,14 @@ LEAN_CACHE_BYTES = 2**30
 (fewer calls: fewer steps whose cost is mostly reading the weights once)."""
 
 
-def _lean_rows(model, n_prompt: int, max_new_tokens: int) -> int:
-    """Rows whose KV cache (every layer's keys and values at P + max_new_tokens positions) fits LEAN_CACHE_BYTES."""
+def _lean_rows(model, n_prompt: int, max_new_tokens: int, group_size: int = 1) -> int:
+    """Rows whose KV cache fits LEAN_CACHE_BYTES: every layer's keys and values at max_new_tokens positions per row
+    and P per prompt, which its group_size rows share."""
     config = causal_lm(model).config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
-    per_row = per_position * (n_prompt + max_new_tokens) * next(model.parameters()).element_size()
-    return max(1, LEAN_CACHE_BYTES // per_row)
+    per_row = per_position * (n_prompt / group_size + max_new_tokens) * next(model.parameters()).element_size()
+    return max(1, int(LEAN_CACHE_BYTES // per_row))
 
 
 def sample(
@@ -300,7 +301,8 @@ def sample(
     try:
         lean = use_lean(model, fast_path)
         if batch_size is None and lean:
-            batch_size = min(n_rows, max(group_size, _lean_rows(model, prompt_ids.shape[1], max_new_tokens)))
+            fit = _lean_rows(model, prompt_ids.shape[1], max_new_tokens, group_size)
+            batch_size = min(n_rows, max(group_size, fit))
         elif batch_size is None:
             batch_size = n_rows if device.type == "cuda" else min(n_rows, CPU_GENERATE_ROWS)
         decode = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "greedy": greedy}
