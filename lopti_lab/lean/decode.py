@@ -138,6 +138,7 @@ class _Cache:
         self.values = [v.new_empty(B, kv_heads, max_new_tokens, dim) for _, v in prompt_kv]
         self.group_size = group_size
         self.rows = torch.arange(B, device=prompt_mask.device)  # (b,)
+        self.prompt_of, self.member = self.rows // group_size, self.rows % group_size  # (b,) each: a row's slot
         self.length = 0  # response tokens written
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -149,6 +150,7 @@ class _Cache:
                 kept[:, :, :used] = full[rows, :, :used]
                 store[i] = kept
         self.rows = self.rows[rows]
+        self.prompt_of, self.member = self.rows // self.group_size, self.rows % self.group_size
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T + bias) v of scaled queries q (b, K, Q, D) (a key/value head's Q query heads as rows) over
@@ -160,13 +162,15 @@ class _Cache:
         full = b == n * G  # no row has left the batch yet: batch row i is slot i
 
         def to_slots(x):  # (b, K, Q, m) -> (n, K, G Q, m), a prompt's rows together
-            if not full:
-                x = x.new_zeros(n * G, *x.shape[1:]).index_copy_(0, self.rows, x)
-            return x.view(n, G, K, Q, -1).transpose(1, 2).reshape(n, K, G * Q, x.shape[-1])
+            if full:
+                return x.view(n, G, K, Q, -1).transpose(1, 2).reshape(n, K, G * Q, x.shape[-1])
+            slots = x.new_zeros(n, K, G, Q, x.shape[-1])
+            slots[self.prompt_of, :, self.member] = x
+            return slots.view(n, K, G * Q, x.shape[-1])
 
         def from_slots(x):  # (n, K, G Q, m) -> (b, K, Q, m)
-            x = x.view(n, K, G, Q, -1).transpose(1, 2).reshape(n * G, K, Q, x.shape[-1])
-            return x if full else x[self.rows]
+            x = x.view(n, K, G, Q, x.shape[-1])
+            return x.transpose(1, 2).reshape(n * G, K, Q, x.shape[-1]) if full else x[self.prompt_of, :, self.member]
 
         scores = torch.cat(
             [
