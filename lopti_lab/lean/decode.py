@@ -123,43 +123,65 @@ def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
 
 
 class _Cache:
-    """Keys and values: each prompt's once for its G rows (n, K, P, D), as the prefill gave them, and the live rows'
-    responses (b, K, max_new_tokens, D), allocated at their final length and written in place. ``prompt_bias``
-    (n, 1, 1, P) is 0 on a prompt's real tokens and -inf on its padding; a row sees every response column so far.
-    ``rows`` (b,) is each batch row's original row, prompt rows // G, member rows % G."""
+    """Keys and values, allocated once at their final length and written in place. With G > 1 rows per prompt
+    (``shared``), each prompt's once for its G rows (n, K, P, D), as the prefill gave them, beside the live rows'
+    responses (b, K, max_new_tokens, D); with G = 1, each row's [prompt | response] (b, K, P + max_new_tokens, D).
+    ``visible`` is 0 on a prompt's real tokens and -inf on its padding, (n, 1, 1, P) (shared; a row sees every
+    response column so far), else a bool mask (b, 1, 1, P + max_new_tokens) as SDPA takes it. ``rows`` (b,) is each
+    batch row's original row; a shared row's slot is (prompt, member) = (its prompt among the live ones, rows % G)."""
 
     def __init__(self, prompt_kv, prompt_mask: torch.Tensor, group_size: int, max_new_tokens: int):
         n, kv_heads, P, dim = prompt_kv[0][0].shape
-        B = n * group_size
-        self.prompt = [(k.contiguous(), v.contiguous()) for k, v in prompt_kv]  # (n, K, P, D) each
-        self.prompt_bias = torch.zeros(n, 1, 1, P, dtype=prompt_kv[0][0].dtype, device=prompt_mask.device)
-        self.prompt_bias.masked_fill_(~prompt_mask.bool()[:, None, None, :], -float("inf"))
-        self.keys = [k.new_empty(B, kv_heads, max_new_tokens, dim) for k, _ in prompt_kv]  # (B, K, T, D)
-        self.values = [v.new_empty(B, kv_heads, max_new_tokens, dim) for _, v in prompt_kv]
-        self.group_size = group_size
-        self.rows = torch.arange(B, device=prompt_mask.device)  # (b,)
-        self.prompt_of, self.member = self.rows // group_size, self.rows % group_size  # (b,) each: a row's slot
-        self.length = 0  # response tokens written
+        B, device = n * group_size, prompt_mask.device
+        self.shared, self.group_size, self.length = group_size > 1, group_size, 0  # length: response tokens written
+        self.offset = 0 if self.shared else P  # the cache column of response token 0
+        self.keys = [k.new_empty(B, kv_heads, self.offset + max_new_tokens, dim) for k, _ in prompt_kv]  # (B, K, ., D)
+        self.values = [v.new_empty(B, kv_heads, self.offset + max_new_tokens, dim) for _, v in prompt_kv]
+        if self.shared:
+            self.prompt = [(k.contiguous(), v.contiguous()) for k, v in prompt_kv]  # (n, K, P, D) each
+            self.visible = torch.zeros(n, 1, 1, P, dtype=prompt_kv[0][0].dtype, device=device)
+            self.visible.masked_fill_(~prompt_mask.bool()[:, None, None, :], -float("inf"))
+        else:
+            for (k, v), keys, values in zip(prompt_kv, self.keys, self.values, strict=True):
+                keys[:, :, :P], values[:, :, :P] = k, v
+            self.visible = torch.ones(B, 1, 1, P + max_new_tokens, dtype=torch.bool, device=device)
+            self.visible[:, 0, 0, :P] = prompt_mask.bool()
+        self.rows = torch.arange(B, device=device)  # (b,)
+        self.prompt_of, self.member = self.rows // group_size, self.rows % group_size  # (b,) each
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (indices into the current batch); copies the used columns only."""
-        used = self.length
+        """Keep only ``rows`` (indices into the current batch), and the prompts they answer; copies the used columns
+        only."""
+        used = self.offset + self.length
         for store in (self.keys, self.values):
             for i, full in enumerate(store):
                 kept = full.new_empty(len(rows), *full.shape[1:])
                 kept[:, :, :used] = full[rows, :, :used]
                 store[i] = kept
         self.rows = self.rows[rows]
-        self.prompt_of, self.member = self.rows // self.group_size, self.rows % self.group_size
+        if not self.shared:
+            self.visible = self.visible[rows]
+            return
+        live, self.prompt_of = torch.unique(self.prompt_of[rows], return_inverse=True)  # (n',), (b,)
+        self.prompt = [(k[live], v[live]) for k, v in self.prompt]
+        self.visible = self.visible[live]
+        self.member = self.rows % self.group_size
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T + bias) v of scaled queries q (b, K, Q, D) (a key/value head's Q query heads as rows) over
-        their prompt's keys and their response's keys so far: (b, K, Q, D). A prompt's keys are read once for its
-        G rows: the queries sit in (n, G) slots (a finished row's slot holds zeros, its output unused)."""
-        (prompt_k, prompt_v), keys, values = self.prompt[layer], self.keys[layer], self.values[layer]
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """softmax(scale q k^T + mask) v of queries q (b, K, Q, D) (a key/value head's Q query heads as rows) over
+        their prompt's keys and their response's keys so far: (b, K, Q, D). Shared: a prompt's keys are read once for
+        its G rows, the queries sitting in (n, G) slots (a finished row's slot holds zeros, its output unused);
+        else SDPA over each row's [prompt | response]."""
+        keys, values, t = self.keys[layer], self.values[layer], self.offset + self.length + 1
+        if not self.shared:
+            return F.scaled_dot_product_attention(
+                q, keys[:, :, :t], values[:, :, :t], attn_mask=self.visible[..., :t], scale=scale
+            )
+        prompt_k, prompt_v = self.prompt[layer]
         n, K, P, _ = prompt_k.shape
-        b, Q, G, t = q.shape[0], q.shape[2], self.group_size, self.length + 1
-        full = b == n * G  # no row has left the batch yet: batch row i is slot i
+        b, Q, G = q.shape[0], q.shape[2], self.group_size
+        full = b == n * G  # every row of every live prompt is live: batch row i is slot i
+        q = q * scale
 
         def to_slots(x):  # (b, K, Q, m) -> (n, K, G Q, m), a prompt's rows together
             if full:
@@ -174,7 +196,7 @@ class _Cache:
 
         scores = torch.cat(
             [
-                from_slots(torch.matmul(to_slots(q), prompt_k.transpose(-1, -2)) + self.prompt_bias),
+                from_slots(torch.matmul(to_slots(q), prompt_k.transpose(-1, -2)) + self.visible),
                 torch.matmul(q, keys[:, :, :t].transpose(-1, -2)),
             ],
             dim=-1,
@@ -218,7 +240,7 @@ class _Layers:
         """Feed one token per row (b,) at ``positions`` (b,); append its keys and values; the last hidden state
         (b, E) after the final norm."""
         b, H, K, D = len(tokens), self.heads, self.kv_heads, self.head_dim
-        column = cache.length
+        column = cache.offset + cache.length
         x = self.core.embed_tokens(tokens)  # (b, E)
         cos, sin = self.core.rotary_emb(x, positions[:, None])  # (b, 1, D) each
         sin = sin * self.sign  # rotate_half(x) * sin == roll(x, D / 2) * (sign * sin), exactly
@@ -228,12 +250,12 @@ class _Layers:
             qk = qk * cos + qk.roll(D // 2, -1) * sin  # (b, H + K, D) rotary, HF's apply_rotary_pos_emb
             cache.keys[i][:, :, column] = qk[:, H:]
             cache.values[i][:, :, column] = projected[:, H + K :]
-            grouped = qk[:, :H].view(b, K, H // K, D) * scaling  # a key/value head's query heads as rows
-            attended = cache.attend(i, grouped)  # (b, K, H / K, D)
+            grouped = qk[:, :H].view(b, K, H // K, D)  # a key/value head's query heads as rows of one matrix
+            attended = cache.attend(i, grouped, scaling)  # (b, K, H / K, D)
             x = x + o_proj(attended.reshape(b, H * D))  # (b, E)
             gate, up = gate_up(norm2(x)).chunk(2, -1)  # (b, I) each
             x = x + down(act(gate) * up)
-        cache.length = column + 1
+        cache.length += 1
         return self.norm(x)  # (b, E)
 
 
