@@ -242,6 +242,8 @@ def test_inverse_cdf_draw():
     assert freq[1] == 0 and ((freq - p.double()).abs() <= 5 * se + 1e-12).all()
     torch.manual_seed(0)
     assert torch.equal(decode._inverse_cdf(p.expand(n, -1)), tokens)
+    with pytest.raises(RuntimeError, match="nan"):  # a broken model fails loudly, as torch.multinomial does
+        decode._inverse_cdf(torch.tensor([[0.5, float("nan")], [0.5, 0.5]]))
 
 
 class mock_rand:

@@ -116,6 +116,8 @@ def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     token 1 has an empty interval [0.2, 0.2)), u = 0.95 -> token 3."""
     cdf = probs.cumsum(-1, dtype=torch.float64)  # (b, V) float64: a tiny p keeps its own interval
     total = cdf[:, -1:]  # (b, 1)
+    if not bool((total > 0).all() & total.isfinite().all()):  # as torch.multinomial refuses them
+        raise RuntimeError("lean decode: a row's probabilities contain inf or nan, or sum to zero")
     u = torch.rand(total.shape, dtype=torch.float64, device=probs.device)  # (b, 1)
     # u x total < total, also where it would round up to it, so no token past the last nonzero one is chosen
     target = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))  # (b, 1)
