@@ -35,7 +35,8 @@ have zero reward variance, and with them the update's rows).
 
 ``--eval`` times `evaluate.evaluate` of ``--eval-size`` test puzzles per people count of the study (greedy and
 ``--eval-samples`` samples per puzzle at T = 1.0, the study's max_new_tokens) on each path and prints each accuracy
-with its standard error (`evaluate.accuracy_se`); at equal sample sizes the SEs agree up to sampling noise, so the
+with its standard error (`evaluate.accuracy_se`), and its lean floor (each prompt's forward once, every response token
+but the last, at the mean prompt and response lengths); at equal sample sizes the SEs agree up to sampling noise, so the
 time ratio is the cost ratio per point of precision (time x SE^2 is constant as the sample grows).
 
 The script only uses functions that every version of lopti_lab since the lean path has, so running it with
@@ -333,6 +334,7 @@ def report(threads, rates, results, shape, cfg, passes, log_ratio) -> None:
 def bench_eval(threads: int, args) -> None:
     """The study's test evaluation on each path: wall and CPU seconds, and every accuracy with its SE."""
     from lopti_lab.evaluate import evaluate
+    from lopti_lab.kk import build_prompt
     from lopti_lab.models import prompt_style_of
 
     train = STUDIES[args.study]().train
@@ -341,6 +343,7 @@ def bench_eval(threads: int, args) -> None:
     test = load_split("test", train.eval_people, limit=size)
     print(f"torch threads {threads}; {len(test)} test puzzles ({train.eval_people} people), greedy + "
           f"{samples} samples at T = 1.0, {train.max_new_tokens} new tokens")  # fmt: skip
+    rate = gemm_rate(4096, 4096, 4096)
     seconds, metrics = {}, {}
     for path in args.paths:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -350,6 +353,20 @@ def bench_eval(threads: int, args) -> None:
         )  # fmt: skip
         seconds[path] = (time.perf_counter() - wall, time.process_time() - cpu)
         print(f"  {path:4s}: {seconds[path][0]:6.1f} s wall, {seconds[path][1]:6.1f} s CPU")
+    rates = [(a + b) / 2 for a, b in zip(rate, gemm_rate(4096, 4096, 4096), strict=True)]  # wall, CPU GFLOP/s
+    prompt_len = sum(len(tokenizer(build_prompt(p, train.prompt_style, tokenizer)).input_ids) for p in test) / len(test)
+    shape = Shape.of(model.config)
+    for path in args.paths:  # the lean floor: each prompt once, every response token but the last, at mean lengths
+        flop = 0.0
+        for mode, group in (("greedy", 1), ("sample", samples)):
+            length = metrics[path][f"eval/{mode}/len_mean"]
+            flop += len(test) * (
+                shape.forward(0, prompt_len, 1) + group * shape.forward(prompt_len, length - 1, length - 1)
+            )
+        floor = [flop / 1e9 / r for r in rates]
+        print(f"  {path}: {flop / 1e9:.1f} GFLOP at mean lengths (prompt {prompt_len:.1f}); floor {floor[0]:.2f} s "
+              f"wall, {floor[1]:.2f} s CPU (4096^3: {rates[0]:.0f} / {rates[1]:.0f} GFLOP/s); x floor "
+              f"{seconds[path][0] / floor[0]:.2f} wall, {seconds[path][1] / floor[1]:.2f} CPU")  # fmt: skip
     for key in sorted(k for k in metrics[args.paths[0]] if "/acc_" in k and not k.endswith("_se")):
         cells = [f"{p} {metrics[p][key]:.3f} ± {metrics[p][key + '_se']:.3f}" for p in args.paths]
         print(f"  {key:28s} " + "   ".join(cells))
