@@ -25,11 +25,6 @@ rate measured in the same run at the same thread count (4096^3, and the model's 
 "floor" counts every row's prompt (the step as HF runs it, the issue's accounting); "lean floor" counts the work
 the lean step must still do: each prompt once per group in prefill and update, no log-prob pass.
 
-``--hf-draw`` makes the lean decoder draw with ``torch.multinomial`` (HF's draw; the default inverse-CDF draw spends
-one uniform per row instead of V exponentials): under the same seeds a before / after comparison then sees the same
-tokens, rewards and update rows, so the update phases compare like for like (different draws change which groups
-have zero reward variance, and with them the update's rows).
-
 ``--probe`` runs every measured step twice on each path, plain and with the gradient probe (``probe=True``, as
 ``probe_every`` steps do), from the same weights and seed, and prints the probe step's time over the plain one's.
 
@@ -51,7 +46,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -186,17 +180,6 @@ def ratio_check(model, rollout, cfg) -> float:
 STUDIES = {"demo": DemoConfig, "hard": HardLabConfig}
 
 
-def use_hf_draw() -> None:
-    """Make the lean decoder draw sampled tokens with torch.multinomial, HF's draw and the only one before the
-    inverse-CDF draw: the same seeds then give the same tokens before and after, so the same update work."""
-    import lopti_lab.lean.decode as decode
-    import lopti_lab.rollout as rollout
-
-    if hasattr(decode, "DRAWS"):
-        rollout.lean_generate = partial(decode.lean_generate, draw="multinomial")
-        print("lean decode: torch.multinomial draws (--hf-draw)")
-
-
 def study_config(study: str):
     """The study's shared TrainConfig for one GRPO run: no probe, no evaluation inside the step."""
     cfg = STUDIES[study]().train_config("GRPO", 0, Path("unused"))
@@ -214,13 +197,10 @@ def main() -> None:
     parser.add_argument("--eval", action="store_true", help="time the study's test evaluation instead of a step")
     parser.add_argument("--eval-size", type=int, default=None, help="test puzzles per people count")
     parser.add_argument("--eval-samples", type=int, default=None, help="sampled completions per puzzle")
-    parser.add_argument("--hf-draw", action="store_true", help="the lean decoder draws with torch.multinomial")
     args = parser.parse_args()
     import lopti_lab
 
     print(f"lopti_lab from {Path(lopti_lab.__file__).parent}")
-    if args.hf_draw:
-        use_hf_draw()
     if args.eval:
         for threads in args.threads:
             torch.set_num_threads(threads)

@@ -13,14 +13,14 @@ growing KV cache was 37% of generate's CPU time, benchmarks/README.md "One lab R
 - the rollout log-probabilities and entropies are read off the sampling logits, so no second forward is needed;
 - a token costs about 20 operations a layer (``_Layers``): [q | k | v] and [gate | up] each one matmul, RMSNorm one
   call, no per-token bookkeeping by boolean indexing; each is HF's arithmetic bit for bit (tests/test_decode.py);
-- a sampled token is drawn by inverting its float64 cumulative distribution with one uniform per row (DRAWS), not by
-  ``torch.multinomial``'s V exponential variates per row.
+- optionally (DRAWS, evaluation), a sampled token is drawn by inverting its float64 cumulative distribution with
+  one uniform per row, not by ``torch.multinomial``'s V exponential variates per row.
 
 The token selection is HF's arithmetic step by step: logits in float32, divided by the temperature, top-p as HF's
 TopPLogitsWarper (smallest tokens removed while their cumulative mass is <= 1 - top_p, the top token always kept),
-softmax, one draw per row of the batch; greedy takes the argmax. With ``draw="multinomial"`` (HF's draw) and until
-the first compaction the batch is HF's, so under the same torch seed the tokens are HF's too (tests/test_decode.py);
-after it, or with the default inverse-CDF draw, the draws differ in value but not in distribution.
+softmax, one draw per row of the batch; greedy takes the argmax. With the default draw (HF's ``torch.multinomial``)
+and until the first compaction the batch is HF's, so under the same torch seed the tokens are HF's too
+(tests/test_decode.py); after it, or with the inverse-CDF draw, the draws differ in value but not in distribution.
 
 Shape legend: n prompts, G rows per prompt, B = n x G rows, b rows still in the batch, P prompt tokens, T response
 tokens, K key/value heads, D head dim, V vocabulary.
@@ -75,7 +75,7 @@ def pick_tokens(
     greedy: bool,
     with_logprobs: bool,
     *,
-    draw: str = "inverse_cdf",
+    draw: str = "multinomial",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Next tokens (b,) from logits (b, V), and their log-probs and entropies at ``temperature`` (None if not asked).
 
@@ -102,12 +102,13 @@ def pick_tokens(
     return tokens, logp_all.gather(1, tokens[:, None])[:, 0], entropy
 
 
-DRAWS = ("inverse_cdf", "multinomial")
-"""How a sampled token is drawn from its probabilities p (b, V). "inverse_cdf": one uniform u per row, the first
-token whose float64 cumulative probability exceeds u x the total (exact in law: a token's interval has width p_i).
-"multinomial": ``torch.multinomial``, HF generate's draw, which spends V exponential variates per row (1.6 ms a
-token at 64 rows x 1024 tokens on the 2-core machine, more than the step's matmuls); the same seed then gives HF's
-tokens (tests/test_decode.py)."""
+DRAWS = ("multinomial", "inverse_cdf")
+"""How a sampled token is drawn from its probabilities p (b, V). "multinomial" (the default): ``torch.multinomial``,
+HF generate's draw, so the same seed gives HF's tokens (tests/test_decode.py) and the training runs' tokens stay
+what they were; it spends V exponential variates per row (1.6 ms a token at 64 rows x 1024 tokens on the 2-core
+machine, about a sixth of a decode step). "inverse_cdf": one uniform u per row, the first token whose float64
+cumulative probability exceeds u x the total (exact in law: a token's interval has width p_i); evaluation uses it
+(``evaluate.evaluate``), where nothing compares tokens with an earlier run."""
 
 
 def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
@@ -298,7 +299,7 @@ def lean_generate(
     greedy: bool = False,
     with_logprobs: bool = True,
     dead_share: float = DEAD_SHARE,
-    draw: str = "inverse_cdf",
+    draw: str = "multinomial",
 ) -> Decoded:
     """Decode ``group_size`` completions of each left-padded prompt (n, P); see the module docstring.
 
