@@ -52,7 +52,8 @@ def evaluate(
     Keys: ``{prefix}/{mode}/acc_{n}ppl``, ``{prefix}/{mode}/acc_all`` (the mean over people counts, the paper's
     "avg"), each with an ``_se`` twin (``accuracy_se``), ``{prefix}/{mode}/format_error_rate`` and
     ``{prefix}/{mode}/len_mean``. Sampling runs under a forked torch RNG seeded with ``seed``, so evaluating never
-    changes the training run's random stream. ``fast_path``: the decoder (``rollout.FAST_PATHS``).
+    changes the training run's random stream. ``fast_path``: the decoder (``rollout.FAST_PATHS``); the lean one
+    draws sampled tokens by inverting their cumulative distribution (``lean.decode.DRAWS``).
     """
     puzzles = list(puzzles)
     if not puzzles:
@@ -76,6 +77,7 @@ def evaluate(
                 batch_size=batch_size,
                 with_logprobs=False,
                 fast_path=fast_path,
+                draw="inverse_cdf",  # the lean decoder's fast exact draw: no earlier run's tokens to match here
             )
         rewards = score_rollout(rollout, puzzles)
         correct = np.array([r.total == 3.0 for r in rewards], dtype=float).reshape(len(puzzles), group)  # (n, G)

@@ -266,6 +266,7 @@ def sample(
     with_entropy: bool = True,
     reference: Callable | None = None,
     fast_path: str = "auto",
+    draw: str = "multinomial",
 ) -> Rollout:
     """Sample ``group_size`` completions of each prompt (KV cache, left padding, stop at EOS).
 
@@ -279,6 +280,9 @@ def sample(
     once for its group, finished rows dropped), whose sampling logits also give ``old_logp`` and ``entropy`` with no
     second forward; elsewhere HF generate, then a log-prob forward (``add_logprobs``). Both select tokens with the same
     arithmetic (tests/test_decode.py).
+
+    ``draw``: how the lean decoder draws a sampled token (``lean.decode.DRAWS``: "multinomial", HF's draw, or
+    "inverse_cdf", one uniform per row); HF's path always draws with ``torch.multinomial``.
 
     batch_size caps the rows per generate call, logprob_batch_size the rows per log-prob forward (GPU memory). On a
     CPU, batch_size=None means CPU_GENERATE_ROWS rows per HF call, or on the lean path as many as LEAN_CACHE_BYTES
@@ -309,7 +313,7 @@ def sample(
         with torch.inference_mode():
             if lean:
                 decoded = _lean_generate(model, unique_ids, unique_mask, group_size, batch_size, stops,
-                                         tokenizer.pad_token_id, with_logprobs, **decode)  # fmt: skip
+                                         tokenizer.pad_token_id, with_logprobs, draw=draw, **decode)  # fmt: skip
                 chunks = [d.response_ids for d in decoded]
             else:
                 chunks = _hf_generate(
