@@ -1,16 +1,19 @@
-"""One lab RL step against its floating-point floor, per phase, HF's path ("before") beside the lean path ("after").
+"""One lab RL step against its floating-point floor, per phase, on HF's path and / or the lean path.
 
-    .venv/bin/python benchmarks/bench_step.py                          # lab model, the demo's step, 2 threads
+    .venv/bin/python benchmarks/bench_step.py --steps 2                # the demo's step, HF beside lean, 2 threads
+    .venv/bin/python benchmarks/bench_step.py --paths lean --steps 4   # the lean path alone
+    .venv/bin/python benchmarks/bench_step.py --study hard --paths lean   # the hard lab's step (lab-hard model)
+    .venv/bin/python benchmarks/bench_step.py --paths lean --probe     # a gradient-probe step against a plain one
     .venv/bin/python benchmarks/bench_step.py --model wide             # a random Qwen2, hidden 384 x 8 layers (13M)
-    .venv/bin/python benchmarks/bench_step.py --threads 1 2 --steps 3  # thread settings
-    .venv/bin/python benchmarks/bench_step.py --eval                   # the demo's test evaluation, with SEs
+    .venv/bin/python benchmarks/bench_step.py --eval --eval-size 100 --eval-samples 8 --paths lean   # an evaluation
 
-The step is `trainer.train_step` at the demo's settings (`studies.config.DemoConfig`: 8 three-person puzzles x 8
-samples, prompt style chat_quiz, max_new_tokens 200, T 0.7, minibatches of 32, full fine-tuning, GRPO, no probe),
-run with ``fast_path="hf"`` (HF generate, a log-prob forward, HF forwards in the update: the code before the lean
-path) and ``fast_path="lean"``, alternating step by step from identical weights on the same puzzles, one warm-up
-step each. Phases are CPU and wall seconds of the wrapped ``sample`` / ``add_logprobs`` / ``update_policy`` calls;
-figures are medians over the measured steps.
+The step is `trainer.train_step` at a study's settings: ``--study demo`` (`studies.config.DEMO_TRAIN`: the lab model,
+4.4M parameters, hidden 256 x 6 layers, full fine-tuning; 8 two- and three-person puzzles x 8 samples at T 1.0,
+max_new_tokens 640, minibatches of 32, GRPO) or ``--study hard`` (`HARD_TRAIN`: the lab-hard model, 4 puzzles x 8,
+minibatches of 16), no probe unless ``--probe``, run with ``fast_path="hf"`` (HF generate, a log-prob forward, HF
+forwards in the update: the code before the lean path) and / or ``fast_path="lean"``, alternating step by step from
+identical weights on the same puzzles, one warm-up step each. Phases are CPU and wall seconds of the wrapped
+``sample`` / ``add_logprobs`` / ``update_policy`` calls; figures are medians over the measured steps.
 
 The floor of a phase is its matmul FLOP (linear layers, attention's QK^T and AV, the lm_head where logits are
 taken; elementwise work left out) on the step's real tokens (padding left out), divided by this machine's fp32 GEMM
@@ -22,10 +25,17 @@ rate measured in the same run at the same thread count (4096^3, and the model's 
 "floor" counts every row's prompt (the step as HF runs it, the issue's accounting); "lean floor" counts the work
 the lean step must still do: each prompt once per group in prefill and update, no log-prob pass.
 
-``--eval`` times `evaluate.evaluate` at the demo's settings (test split, 2-5 people x 100 puzzles, greedy and 2
-samples per puzzle at T = 1.0, 200 new tokens) on both paths and prints each accuracy with its standard error
-(`evaluate.accuracy_se`); at equal sample sizes the SEs agree up to sampling noise, so the time ratio is the cost
-ratio per point of precision (time x SE^2 is constant as the sample grows).
+``--probe`` runs every measured step twice on each path, plain and with the gradient probe (``probe=True``, as
+``probe_every`` steps do), from the same weights and seed, and prints the probe step's time over the plain one's.
+
+``--eval`` times `evaluate.evaluate` of ``--eval-size`` test puzzles per people count of the study (greedy and
+``--eval-samples`` samples per puzzle at T = 1.0, the study's max_new_tokens) on each path and prints each accuracy
+with its standard error (`evaluate.accuracy_se`), and its lean floor (each prompt's forward once, every response token
+but the last, at the mean prompt and response lengths); at equal sample sizes the SEs agree up to sampling noise, so the
+time ratio is the cost ratio per point of precision (time x SE^2 is constant as the sample grows).
+
+The script only uses functions that every version of lopti_lab since the lean path has, so running it with
+``PYTHONPATH`` at another checkout times that code with the same measurement (a before / after comparison).
 """
 
 from __future__ import annotations
@@ -40,12 +50,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, unless PYTHONPATH names another
 
 import lopti_lab.trainer as trainer
 from lopti_lab.kk import load_split
 from lopti_lab.models import load_policy
-from lopti_lab.studies.config import DemoConfig
+from lopti_lab.studies.config import DemoConfig, HardLabConfig
 
 PHASES = ("generate", "logprob", "update")
 
@@ -123,7 +133,7 @@ def wide_model(tokenizer) -> torch.nn.Module:
     return Qwen2ForCausalLM(config).eval()
 
 
-def run_step(model, tokenizer, optimizer, puzzles, cfg) -> dict:
+def run_step(model, tokenizer, optimizer, puzzles, cfg, probe: bool = False) -> dict:
     """One train_step; CPU and wall seconds of each phase and of the step, and the rollout's token counts."""
     times, seen = {}, {}
     originals = {"generate": trainer.sample, "logprob": trainer.add_logprobs, "update": trainer.update_policy}
@@ -142,7 +152,7 @@ def run_step(model, tokenizer, optimizer, puzzles, cfg) -> dict:
     try:
         trainer.sample, trainer.add_logprobs, trainer.update_policy = (timed(k, f) for k, f in originals.items())
         wall, cpu = time.perf_counter(), time.process_time()
-        trainer.train_step(model, tokenizer, optimizer, puzzles, cfg)
+        trainer.train_step(model, tokenizer, optimizer, puzzles, cfg, probe=probe)
         times["step"] = (time.process_time() - cpu, time.perf_counter() - wall)
     finally:
         trainer.sample, trainer.add_logprobs, trainer.update_policy = originals.values()
@@ -167,30 +177,48 @@ def ratio_check(model, rollout, cfg) -> float:
     return (logp - rollout.old_logp[rows]).abs().max().item()
 
 
+STUDIES = {"demo": DemoConfig, "hard": HardLabConfig}
+
+
+def study_config(study: str):
+    """The study's shared TrainConfig for one GRPO run: no probe, no evaluation inside the step."""
+    cfg = STUDIES[study]().train_config("GRPO", 0, Path("unused"))
+    return replace(cfg, probe_every=0, eval_people=(), shift_every=0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["lab", "wide"], default="lab")
+    parser.add_argument("--study", choices=list(STUDIES), default="demo")
+    parser.add_argument("--model", choices=["lab", "wide"], default="lab", help="wide: a random 13M Qwen2")
+    parser.add_argument("--paths", nargs="+", choices=["hf", "lean"], default=["hf", "lean"])
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
     parser.add_argument("--steps", type=int, default=4, help="measured steps per path (after one warm-up step)")
-    parser.add_argument("--eval", action="store_true", help="time the demo's test evaluation instead of a step")
+    parser.add_argument("--probe", action="store_true", help="also a probe step from the same weights, each step")
+    parser.add_argument("--eval", action="store_true", help="time the study's test evaluation instead of a step")
+    parser.add_argument("--eval-size", type=int, default=None, help="test puzzles per people count")
+    parser.add_argument("--eval-samples", type=int, default=None, help="sampled completions per puzzle")
     args = parser.parse_args()
+    import lopti_lab
+
+    print(f"lopti_lab from {Path(lopti_lab.__file__).parent}")
     if args.eval:
         for threads in args.threads:
             torch.set_num_threads(threads)
-            bench_eval(threads)
+            bench_eval(threads, args)
         return
 
-    lab, tokenizer = load_policy("lab", lora=None)
+    full = STUDIES[args.study]().train
+    lab, tokenizer = load_policy(full.model, lora=None)
     base = lab if args.model == "lab" else wide_model(tokenizer)
-    demo = DemoConfig()
-    cfg = replace(demo.train_config("GRPO", 0, Path("unused")), probe_every=0, eval_people=())
+    cfg = study_config(args.study)
     puzzles = load_split("train", cfg.train_people)
     shape = Shape.of(base.config)
     n_params = sum(p.numel() for p in base.parameters())
     passes = cfg.ppo_epochs  # GRPO: one stage
-    print(f"model {args.model}: {n_params / 1e6:.2f}M parameters, hidden {base.config.hidden_size} x "
-          f"{base.config.num_hidden_layers} layers; step: {cfg.prompts_per_step} puzzles x G {cfg.group_size}, "
-          f"max_new_tokens {cfg.max_new_tokens}, T {cfg.temperature}, minibatch {cfg.minibatch_size}")  # fmt: skip
+    print(f"model {full.model if args.model == 'lab' else 'wide'}: {n_params / 1e6:.2f}M parameters, hidden "
+          f"{base.config.hidden_size} x {base.config.num_hidden_layers} layers; step: {cfg.prompts_per_step} puzzles "
+          f"x G {cfg.group_size}, max_new_tokens {cfg.max_new_tokens}, T {cfg.temperature}, minibatch "
+          f"{cfg.minibatch_size}")  # fmt: skip
 
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -200,32 +228,47 @@ def main() -> None:
             f"{9600}x{E}x{I}": gemm_rate(9600, E, I),
             f"64x{E}x{I}": gemm_rate(64, E, I),
         }
-        models = {path: copy.deepcopy(base) for path in ("hf", "lean")}
+        models = {path: copy.deepcopy(base) for path in args.paths}
         optimizers = {p: torch.optim.AdamW(m.parameters(), lr=cfg.lr) for p, m in models.items()}
-        results: dict[str, list[dict]] = {"hf": [], "lean": []}
-        log_ratio = None
+        results: dict[str, list[dict]] = {path: [] for path in args.paths}
+        probed: dict[str, list[float]] = {path: [] for path in args.paths}  # probe step wall / plain step wall
         for step in range(args.steps + 1):
             batch = puzzles[step * cfg.prompts_per_step : (step + 1) * cfg.prompts_per_step]
             for path, model in models.items():
+                path_cfg = replace(cfg, fast_path=path)
+                if args.probe and step > 0:  # the probe step first, from a copy: the plain step then trains
+                    twin = copy.deepcopy(model)
+                    twin_opt = torch.optim.AdamW(twin.parameters(), lr=cfg.lr)
+                    twin_opt.load_state_dict(optimizers[path].state_dict())
+                    torch.manual_seed(1000 + step)
+                    with_probe = run_step(twin, tokenizer, twin_opt, batch, path_cfg, probe=True)
                 torch.manual_seed(1000 + step)
-                out = run_step(model, tokenizer, optimizers[path], batch, replace(cfg, fast_path=path))
+                out = run_step(model, tokenizer, optimizers[path], batch, path_cfg)
                 if step > 0:
                     results[path].append(out)
-        # the first update's ratio on the lean path, on a fresh rollout of the (trained) lean model
-        torch.manual_seed(0)
-        from lopti_lab.kk import build_prompt
+                    if args.probe:
+                        probed[path].append(with_probe["step"][1] / out["step"][1])
+        log_ratio = None
+        if "lean" in models:  # the first update's ratio on the lean path, on a fresh rollout of the trained model
+            torch.manual_seed(0)
+            from lopti_lab.kk import build_prompt
 
-        rollout = trainer.sample(models["lean"], tokenizer, [build_prompt(p, cfg.prompt_style, tokenizer) for p in
-                                 puzzles[: cfg.prompts_per_step]], cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                                 temperature=cfg.temperature, fast_path="lean")  # fmt: skip
-        log_ratio = ratio_check(models["lean"], rollout, cfg)
+            prompts = [build_prompt(p, cfg.prompt_style, tokenizer) for p in puzzles[: cfg.prompts_per_step]]
+            rollout = trainer.sample(models["lean"], tokenizer, prompts, cfg.group_size,
+                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                     fast_path="lean")  # fmt: skip
+            log_ratio = ratio_check(models["lean"], rollout, cfg)
         rates["4096^3 (after)"] = gemm_rate(4096, 4096, 4096)
         report(threads, rates, results, shape, cfg, passes, log_ratio)
+        for path, ratios in probed.items():
+            if ratios:
+                print(f"  {path} probe step / plain step (wall): median {statistics.median(ratios):.2f}x, range "
+                      f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} steps")  # fmt: skip
 
 
 def report(threads, rates, results, shape, cfg, passes, log_ratio) -> None:
-    """The table: per phase, FLOP (floor / lean floor), floor seconds at the 4096^3 rate, and each path's median
-    wall and CPU seconds, each with its multiple of the floor (the lean path's CPU seconds also of its own floor)."""
+    """The table: per phase, each path's FLOP (floor / lean floor) on its own tokens, the floor seconds at the 4096^3
+    rate, and its median wall and CPU seconds with their multiples of the floor and of the lean floor."""
 
     def med(path, key, clock=1):  # clock 0: CPU seconds, 1: wall seconds
         return statistics.median(r[key][clock] if key in r else 0.0 for r in results[path])
@@ -240,62 +283,78 @@ def report(threads, rates, results, shape, cfg, passes, log_ratio) -> None:
     peak_cpu = statistics.mean(rates[k][1] for k in ("4096^3", "4096^3 (after)"))
     print(f"\ntorch threads {threads}; fp32 GEMM GFLOP/s, wall / per CPU second: "
           + ", ".join(f"{k} {w:.0f} / {c:.0f}" for k, (w, c) in rates.items()))  # fmt: skip
-    for p in results:
-        prompt = statistics.mean(statistics.mean(r["prompt_lens"]) for r in results[p])
-        response = statistics.mean(statistics.mean(r["response_lens"]) for r in results[p])
-        print(f"  {p}: mean prompt {prompt:.1f} tokens, mean response {response:.1f} tokens")
-    print("  floors at the mean 4096^3 rate; 'x' columns: wall s / wall floor, CPU s / CPU floor (per-CPU-second rate)")
-    x_cells = f"{'x':>5s} {'CPU s':>6s} {'x':>5s}"
-    print(f"  {'phase':9s} {'GFLOP':>7s} {'lean':>6s} {'floor s':>7s} | {'before':>6s} {x_cells} | "
-          f"{'after':>6s} {x_cells} {'x lean':>6s}")  # fmt: skip
+    print("  floors at the mean 4096^3 rate; x floor: wall s / wall floor; x lean: wall s / wall lean floor, and CPU s")
+    print("  / CPU lean floor (the per-CPU-second rate)")
     everything = ["prefill", "decode", "logprob", "update"]
     rows = [("prefill", ["prefill"], None), ("decode", ["decode"], None),
             ("generate", ["prefill", "decode"], "generate"), ("logprob", ["logprob"], "logprob"),
             ("update", ["update"], "update"), ("step", everything, "step")]  # fmt: skip
-    for name, parts, timed in rows:
-        floor, lean = flop("hf", parts, 0) / 1e9, flop("lean", parts, 1) / 1e9  # GFLOP
-        line = f"  {name:9s} {floor:7.1f} {lean:6.1f} {floor / peak_wall:7.2f} |"
-        if timed is not None:
-            cells = []
-            for path in ("hf", "lean"):
+    for path in results:
+        prompt = statistics.mean(statistics.mean(r["prompt_lens"]) for r in results[path])
+        response = statistics.mean(statistics.mean(r["response_lens"]) for r in results[path])
+        print(f"  {path} path: mean prompt {prompt:.1f} tokens, mean response {response:.1f} tokens")
+        print(f"  {'phase':9s} {'GFLOP':>7s} {'lean':>6s} {'floor s':>7s} {'lean s':>6s} | {'wall s':>6s} "
+              f"{'x floor':>7s} {'x lean':>6s} | {'CPU s':>6s} {'x lean':>6s}")  # fmt: skip
+        for name, parts, timed in rows:
+            floor, lean = flop(path, parts, 0) / 1e9, flop(path, parts, 1) / 1e9  # GFLOP
+            line = f"  {name:9s} {floor:7.1f} {lean:6.1f} {floor / peak_wall:7.2f} {lean / peak_wall:6.2f} |"
+            if timed is not None:
                 wall, cpu = med(path, timed), med(path, timed, 0)
-                cells.append(
-                    f" {wall:6.2f} {wall / (floor / peak_wall):5.2f} {cpu:6.2f} {cpu / (floor / peak_cpu):5.2f}"
-                )
-            lean_x = f"{med('lean', timed, 0) / (lean / peak_cpu):6.2f}" if lean else f"{'-':>6s}"
-            line += cells[0] + " |" + cells[1] + " " + lean_x
-        print(line)
-    print(f"  speedup: {med('hf', 'step') / med('lean', 'step'):.2f}x wall, "
-          f"{med('hf', 'step', 0) / med('lean', 'step', 0):.2f}x CPU")  # fmt: skip
-    print(f"  first update's ratio on the lean path: max |log pi_update - log pi_old(decode)| = {log_ratio:.2e}")
+                lean_wall = f"{wall / (lean / peak_wall):6.2f}" if lean else f"{'-':>6s}"
+                lean_cpu = f"{cpu / (lean / peak_cpu):6.2f}" if lean else f"{'-':>6s}"
+                line += f" {wall:6.2f} {wall / (floor / peak_wall):7.2f} {lean_wall} | {cpu:6.2f} {lean_cpu}"
+            print(line)
+    if len(results) == 2:
+        print(f"  speedup hf / lean: {med('hf', 'step') / med('lean', 'step'):.2f}x wall, "
+              f"{med('hf', 'step', 0) / med('lean', 'step', 0):.2f}x CPU")  # fmt: skip
+    if log_ratio is not None:
+        print(f"  first update's ratio on the lean path: max |log pi_update - log pi_old(decode)| = {log_ratio:.2e}")
 
 
-def bench_eval(threads: int) -> None:
-    """The demo's final evaluation on both paths: wall and CPU seconds, and every accuracy with its SE."""
+def bench_eval(threads: int, args) -> None:
+    """The study's test evaluation on each path: wall and CPU seconds, and every accuracy with its SE."""
     from lopti_lab.evaluate import evaluate
-    from lopti_lab.lab.trace import RL_PROMPT_STYLE
+    from lopti_lab.kk import build_prompt
+    from lopti_lab.models import prompt_style_of
 
-    demo = DemoConfig()
-    model, tokenizer = load_policy("lab", lora=None)
-    test = load_split("test", demo.train.eval_people, limit=demo.train.eval_size)
-    print(f"torch threads {threads}; {len(test)} test puzzles ({demo.train.eval_people} people), greedy + "
-          f"{demo.train.eval_samples} samples at T = 1.0, {demo.train.max_new_tokens} new tokens")  # fmt: skip
+    train = STUDIES[args.study]().train
+    size, samples = args.eval_size or train.eval_size, args.eval_samples or train.eval_samples
+    model, tokenizer = load_policy(train.model, lora=None)
+    test = load_split("test", train.eval_people, limit=size)
+    print(f"torch threads {threads}; {len(test)} test puzzles ({train.eval_people} people), greedy + "
+          f"{samples} samples at T = 1.0, {train.max_new_tokens} new tokens")  # fmt: skip
+    rate = gemm_rate(4096, 4096, 4096)
     seconds, metrics = {}, {}
-    for path in ("hf", "lean"):
+    for path in args.paths:
         wall, cpu = time.perf_counter(), time.process_time()
         metrics[path] = evaluate(
-            model, tokenizer, test, prompt_style=RL_PROMPT_STYLE, max_new_tokens=demo.train.max_new_tokens,
-            samples=demo.train.eval_samples, seed=0, fast_path=path,
+            model, tokenizer, test, prompt_style=prompt_style_of(train.model), max_new_tokens=train.max_new_tokens,
+            samples=samples, seed=0, fast_path=path,
         )  # fmt: skip
         seconds[path] = (time.perf_counter() - wall, time.process_time() - cpu)
         print(f"  {path:4s}: {seconds[path][0]:6.1f} s wall, {seconds[path][1]:6.1f} s CPU")
-    for key in sorted(k for k in metrics["hf"] if "/acc_" in k and not k.endswith("_se")):
-        cells = [f"{metrics[p][key]:.3f} ± {metrics[p][key + '_se']:.3f}" for p in ("hf", "lean")]
-        print(f"  {key:28s} hf {cells[0]}   lean {cells[1]}")
-    cost = {p: seconds[p][0] * metrics[p]["eval/sample/acc_all_se"] ** 2 for p in seconds}
-    print(f"  time ratio hf / lean: {seconds['hf'][0] / seconds['lean'][0]:.2f}x wall, "
-          f"{seconds['hf'][1] / seconds['lean'][1]:.2f}x CPU; wall x SE^2 of eval/sample/acc_all: "
-          f"hf {cost['hf']:.2e}, lean {cost['lean']:.2e}")  # fmt: skip
+    rates = [(a + b) / 2 for a, b in zip(rate, gemm_rate(4096, 4096, 4096), strict=True)]  # wall, CPU GFLOP/s
+    prompt_len = sum(len(tokenizer(build_prompt(p, train.prompt_style, tokenizer)).input_ids) for p in test) / len(test)
+    shape = Shape.of(model.config)
+    for path in args.paths:  # the lean floor: each prompt once, every response token but the last, at mean lengths
+        flop = 0.0
+        for mode, group in (("greedy", 1), ("sample", samples)):
+            length = metrics[path][f"eval/{mode}/len_mean"]
+            flop += len(test) * (
+                shape.forward(0, prompt_len, 1) + group * shape.forward(prompt_len, length - 1, length - 1)
+            )
+        floor = [flop / 1e9 / r for r in rates]
+        print(f"  {path}: {flop / 1e9:.1f} GFLOP at mean lengths (prompt {prompt_len:.1f}); floor {floor[0]:.2f} s "
+              f"wall, {floor[1]:.2f} s CPU (4096^3: {rates[0]:.0f} / {rates[1]:.0f} GFLOP/s); x floor "
+              f"{seconds[path][0] / floor[0]:.2f} wall, {seconds[path][1] / floor[1]:.2f} CPU")  # fmt: skip
+    for key in sorted(k for k in metrics[args.paths[0]] if "/acc_" in k and not k.endswith("_se")):
+        cells = [f"{p} {metrics[p][key]:.3f} ± {metrics[p][key + '_se']:.3f}" for p in args.paths]
+        print(f"  {key:28s} " + "   ".join(cells))
+    if len(args.paths) == 2:
+        cost = {p: seconds[p][0] * metrics[p]["eval/sample/acc_all_se"] ** 2 for p in seconds}
+        print(f"  time ratio hf / lean: {seconds['hf'][0] / seconds['lean'][0]:.2f}x wall, "
+              f"{seconds['hf'][1] / seconds['lean'][1]:.2f}x CPU; wall x SE^2 of eval/sample/acc_all: "
+              f"hf {cost['hf']:.2e}, lean {cost['lean']:.2e}")  # fmt: skip
 
 
 if __name__ == "__main__":

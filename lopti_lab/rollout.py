@@ -113,6 +113,9 @@ class SamplingSpec:
     """rows per no-grad log-prob forward (None: all)"""
     fast_path: str = "auto"
     """the decoder and forward (FAST_PATHS)"""
+    draw: str = "multinomial"
+    """how the lean decoder draws a sampled token (``lean.decode.DRAWS``): "multinomial" (HF's draw: the same tokens
+    as HF generate under a seed) or "inverse_cdf" (one uniform per row, the same law, faster)"""
 
     @classmethod
     def of(cls, spec: SamplingSpec | None, settings: dict) -> SamplingSpec:
@@ -266,13 +269,14 @@ LEAN_CACHE_BYTES = 2**30
 reading the weights once per token fewer times (benchmarks/README.md)."""
 
 
-def _lean_rows(model, n_prompt: int, max_new_tokens: int) -> int:
-    """Rows whose KV cache (every layer's keys and values at P + max_new_tokens positions) fits LEAN_CACHE_BYTES."""
+def _lean_rows(model, n_prompt: int, max_new_tokens: int, group_size: int = 1) -> int:
+    """Rows whose KV cache fits LEAN_CACHE_BYTES: every layer's keys and values at max_new_tokens positions per row
+    and P per prompt, which its group_size rows share."""
     config = causal_lm(model).config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
-    per_row = per_position * (n_prompt + max_new_tokens) * next(model.parameters()).element_size()
-    return max(1, LEAN_CACHE_BYTES // per_row)
+    per_row = per_position * (n_prompt / group_size + max_new_tokens) * next(model.parameters()).element_size()
+    return max(1, int(LEAN_CACHE_BYTES // per_row))
 
 
 def sample(
@@ -305,6 +309,8 @@ def sample(
     ``spec.batch_size`` caps the rows per generate call, ``logprob_batch_size`` the rows per log-prob forward (GPU
     memory). On a CPU, batch_size=None means CPU_GENERATE_ROWS rows per HF call, or on the lean path as many as
     LEAN_CACHE_BYTES of KV cache holds (on a GPU: all rows in one call).
+    ``spec.draw``: how the lean decoder draws a sampled token (``lean.decode.DRAWS``: "multinomial", HF's draw, or
+    "inverse_cdf", one uniform per row); HF's path always draws with ``torch.multinomial``.
     """
     spec = SamplingSpec.of(spec, settings)
     max_new_tokens, max_prompt_tokens, batch_size = spec.max_new_tokens, spec.max_prompt_tokens, spec.batch_size
@@ -325,7 +331,8 @@ def sample(
     try:
         lean = use_lean(model, spec.fast_path)
         if batch_size is None and lean:
-            batch_size = min(n_rows, max(group_size, _lean_rows(model, prompt_ids.shape[1], max_new_tokens)))
+            fit = _lean_rows(model, prompt_ids.shape[1], max_new_tokens, group_size)
+            batch_size = min(n_rows, max(group_size, fit))
         elif batch_size is None:
             batch_size = n_rows if device.type == "cuda" else min(n_rows, CPU_GENERATE_ROWS)
         decode = {"max_new_tokens": max_new_tokens, "temperature": spec.temperature, "top_p": spec.top_p,
@@ -333,7 +340,7 @@ def sample(
         with torch.inference_mode():
             if lean:
                 decoded = _lean_generate(model, unique_ids, unique_mask, group_size, batch_size, stops,
-                                         tokenizer.pad_token_id, with_logprobs, **decode)  # fmt: skip
+                                         tokenizer.pad_token_id, with_logprobs, draw=spec.draw, **decode)  # fmt: skip
                 chunks = [d.response_ids for d in decoded]
             else:
                 chunks = _hf_generate(

@@ -255,8 +255,9 @@ class TrainConfig:
 
     def sampling(self) -> SamplingSpec:
         """How rollouts are sampled and scored (``rollout.sample``, ``rollout.add_logprobs``)."""
+        # training draws as HF does (SamplingSpec's default), so a run's tokens repeat under its seed on either path
         return self._carry(SamplingSpec, batch_size=self.generate_batch_size,
-                           logprob_batch_size=self.logprob_batch_size)  # fmt: skip
+                           logprob_batch_size=self.logprob_batch_size, draw=SamplingSpec.draw)  # fmt: skip
 
     def eval_spec(self, step: int | None = None) -> EvalSpec:
         """The run's test evaluation (``evaluate.evaluate``) at ``step``, seeded with the run's seed: the full one

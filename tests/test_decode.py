@@ -19,7 +19,8 @@ from tiny import tiny_qwen2, tiny_tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from lopti_lab.lean.decode import lean_generate, pick_tokens, top_p_filter
+from lopti_lab.lean import decode
+from lopti_lab.lean.decode import DRAWS, lean_generate, pick_tokens, top_p_filter
 from lopti_lab.lean.forward import lean_unsupported, length_buckets
 from lopti_lab.rollout import add_logprobs, response_logprobs, sample, use_lean
 
@@ -113,8 +114,9 @@ def test_greedy_tokens_and_logprobs_equal_hf(tok, shape):
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 0.9), (1.0, 1.0), (1.3, 0.5)])
 def test_sampled_tokens_equal_hf_under_the_same_seed(tok, temperature, top_p):
-    """Without compaction (dead_share > 1) the loop draws one multinomial per step over the same rows as HF, from
-    the same probabilities, so the same seed gives the same tokens."""
+    """With HF's draw (``draw="multinomial"``) and without compaction (dead_share > 1) the loop draws one
+    multinomial per step over the same rows as HF, from the same probabilities, so the same seed gives the same
+    tokens: the probabilities every draw sees are HF's, bit for bit."""
     model = qwen2(len(tok), SHAPES["gqa-tied"])
     ids, mask = encode(tok)
     stops = stops_for(len(tok))
@@ -123,7 +125,7 @@ def test_sampled_tokens_equal_hf_under_the_same_seed(tok, temperature, top_p):
     torch.manual_seed(5)
     with torch.inference_mode():
         out = lean_generate(model, ids, mask, 4, max_new_tokens=20, stop_ids=stops, pad_id=0,
-                            temperature=temperature, top_p=top_p, dead_share=2.0)  # fmt: skip
+                            temperature=temperature, top_p=top_p, dead_share=2.0, draw="multinomial")  # fmt: skip
     assert torch.equal(out.response_ids, expected)
     assert len({tuple(r.tolist()) for r in expected}) > 6  # genuinely random rows
 
@@ -148,8 +150,10 @@ def pit(probs: torch.Tensor, tokens: torch.Tensor, generator: torch.Generator) -
     )
 
 
-def test_sampling_with_compaction_draws_from_the_model(tok):
-    """After compaction (here at every finished row) the draws differ from HF's in value, not in law. Reference law:
+@pytest.mark.parametrize("draw", DRAWS)
+def test_sampling_with_compaction_draws_from_the_model(tok, draw):
+    """After compaction (here at every finished row), and with the inverse-CDF draw at any time, the draws differ
+    from HF's in value, not in law. Reference law:
     HF's forward of the sampled sequences, HF's own TopPLogitsWarper, softmax. The KS test rejects at p < 1e-3 (a
     0.1% false alarm for a correct sampler; the seed is fixed, so the outcome is too). It catches a compaction that
     feeds rows each other's tokens (p ~ 1e-20 in a trial); position and mask mix-ups barely move a random model's
@@ -162,7 +166,7 @@ def test_sampling_with_compaction_draws_from_the_model(tok):
     torch.manual_seed(11)
     with torch.inference_mode():
         out = lean_generate(model, ids, mask, 24, max_new_tokens=24, stop_ids=stops, pad_id=0,
-                            temperature=temperature, top_p=top_p, dead_share=0.02)  # fmt: skip
+                            temperature=temperature, top_p=top_p, dead_share=0.02, draw=draw)  # fmt: skip
     response = out.response_ids
     real = real_mask(response, stops)
     assert real.sum(1).min() < real.sum(1).max() and real.sum() > 400
@@ -213,12 +217,73 @@ def test_lab_model_matches_hf_generate():
     torch.manual_seed(3)
     with torch.inference_mode():
         out = lean_generate(model, ids, mask, 2, max_new_tokens=200, stop_ids=stops, pad_id=0, temperature=0.7,
-                            dead_share=2.0)  # fmt: skip
+                            dead_share=2.0, draw="multinomial")  # fmt: skip
     assert torch.equal(out.response_ids, expected)
     real = real_mask(expected, stops)
     logp = (full_forward_logits(model, ids, mask, expected, 2) / 0.7).log_softmax(-1)
     chosen = logp.gather(-1, expected[..., None])[..., 0] * real
     torch.testing.assert_close(out.logp.double(), chosen, atol=2e-5, rtol=0)
+
+
+def test_inverse_cdf_draw():
+    """The docstring's case (a zero-probability token has an empty interval), then the law on 200,000 draws of a
+    distribution with a tiny and a zero entry: every frequency within 5 binomial SEs of its probability, the zero
+    never drawn; the same seed gives the same tokens."""
+    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3]])
+    for u, token in [(0.2, 2), (0.95, 3), (0.0, 0), (1 - 2**-53, 3)]:
+        with mock_rand(u):
+            assert decode._inverse_cdf(probs).item() == token
+    p = torch.tensor([0.5, 0.0, 1e-4, 0.25, 0.2499])
+    n = 200_000
+    torch.manual_seed(0)
+    tokens = decode._inverse_cdf(p.expand(n, -1))
+    freq = torch.bincount(tokens, minlength=len(p)).double() / n
+    se = (p.double() * (1 - p.double()) / n).sqrt()
+    assert freq[1] == 0 and ((freq - p.double()).abs() <= 5 * se + 1e-12).all()
+    torch.manual_seed(0)
+    assert torch.equal(decode._inverse_cdf(p.expand(n, -1)), tokens)
+    with pytest.raises(RuntimeError, match="nan"):  # a broken model fails loudly, as torch.multinomial does
+        decode._inverse_cdf(torch.tensor([[0.5, float("nan")], [0.5, 0.5]]))
+
+
+class mock_rand:
+    """torch.rand returning u everywhere (inside the draw)."""
+
+    def __init__(self, u: float):
+        self.u, self.real = u, torch.rand
+
+    def __enter__(self):
+        torch.rand = lambda *shape, **kw: torch.full(*shape, self.u, **kw)
+
+    def __exit__(self, *exc):
+        torch.rand = self.real
+
+
+def test_fused_step_is_the_modules_arithmetic(monkeypatch):
+    """The decode step's fused [q|k|v] and [gate|up] matmuls and F.rms_norm give the lab model's module arithmetic
+    bit for bit: tokens, log-probs and entropies equal those of the same loop calling every module, on real K&K
+    prompts with sampling (HF's draw) and compaction."""
+    from lopti_lab.kk import build_prompt, load_split
+    from lopti_lab.lab.trace import RL_PROMPT_STYLE as LAB_PROMPT_STYLE
+    from lopti_lab.models import load_policy
+
+    model, tokenizer = load_policy("lab", lora=None)
+    prompts = [build_prompt(p, LAB_PROMPT_STYLE, tokenizer) for p in load_split("test", (2, 3), limit=2)]
+    ids, mask = encode(tokenizer, prompts)
+    kwargs = dict(max_new_tokens=60, stop_ids=[tokenizer.eos_token_id, 303], pad_id=0, temperature=0.8,
+                  draw="multinomial", dead_share=0.05)  # fmt: skip
+    runs = []
+    for modules in (False, True):
+        if modules:  # every projection and norm called as its module
+            monkeypatch.setattr(decode, "_norm", lambda module: module)
+            monkeypatch.setattr(decode, "_fused", lambda ms: lambda h: torch.cat([m(h) for m in ms], -1))
+        torch.manual_seed(4)
+        with torch.inference_mode():
+            runs.append(lean_generate(model, ids, mask, 3, **kwargs))
+    fused, reference = runs
+    assert fused.response_ids.shape[1] > 5 and (fused.response_ids == 0).any()  # some rows ended: compaction ran
+    for name in ("response_ids", "logp", "entropy"):
+        assert torch.equal(getattr(fused, name), getattr(reference, name)), name
 
 
 def rms_norm_in_float64(self, hidden_states):
