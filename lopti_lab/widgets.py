@@ -421,7 +421,7 @@ class TrainPanel(_Panel):
         self.status.value = f"{verb} {config.method} into {config.run_dir} ..."
         # in this order, so that the page never shows Stop enabled beside a setting that is not locked
         self.run_button.disabled = True
-        self._lock_settings(True)
+        self._lock_settings(locked=True)
         self.stop_button.disabled = False
         _stop_on_kernel_interrupt(self._stop)
 
@@ -444,7 +444,7 @@ class TrainPanel(_Panel):
                 # a finished run keeps its TrainResult (the trained model); a failed one keeps only its error (a
                 # blocking run's caller gets the exception whole, its frames intact for a debugger)
                 _release(self.error if threaded else None)
-                self._lock_settings(False)
+                self._lock_settings(locked=False)
                 self.run_button.disabled = False
 
         threaded = _in_kernel() if block is None else not block

@@ -157,8 +157,9 @@ def _validate(c: LoptiGRPOConfig) -> None:
     if c.lopti_eta is not None:  # each optimizer step must lie inside one stage
         need(splits, "gradient_accumulation_steps", f"must divide steps_per_generation for Lopti {layout}")
     need(c.rl_steps is None or splits, "rl_steps", f"needs S to be a multiple of GA {layout}; set max_steps instead")
-    if c.minibatch_token_mean and c.loss_type in ("dapo", "cispo", "vespo") and not splits:
-        need(False, "minibatch_token_mean", f"needs S to be a multiple of GA {layout}; set it False to keep TRL's")
+    per_minibatch = c.minibatch_token_mean and c.loss_type in ("dapo", "cispo", "vespo")
+    need(splits or not per_minibatch, "minibatch_token_mean", f"needs S to be a multiple of GA {layout}; set it False "
+         "to keep TRL's")  # fmt: skip
     if c.lopti_eta is None:
         return
     # Lopti: the denominator must not depend on the stage mask, nor any term's normalisation
