@@ -7,11 +7,10 @@ a hash of the text (``spread_reward``), which gives every group nonzero advantag
 """
 
 import inspect
-import zlib
 
 import pytest
 import torch
-from tiny import tiny_qwen2, tiny_tokenizer
+from tiny import peaky_qwen2_folder, spread_reward
 
 trl = pytest.importorskip("trl", reason="the trl extra is not installed (pip install -e '.[trl]')")
 
@@ -37,20 +36,10 @@ from lopti_lab.update import advantages_and_stages, update_policy  # noqa: E402
 ETA = 0.5
 
 
-def spread_reward(completions, **kwargs):
-    """0, 1 or 2 from a hash of the text: a spread of rewards in every group."""
-    return [float(zlib.crc32(c.encode()) % 3) for c in completions]
-
-
 @pytest.fixture(scope="module")
 def peaky_model(tmp_path_factory):
     """A tiny random Qwen2 whose sampled tokens have probabilities spread over (0, 1), as a local model folder."""
-    tok = tiny_tokenizer()
-    tok.padding_side = "left"
-    path = tmp_path_factory.mktemp("peaky_qwen2")
-    tiny_qwen2(len(tok), initializer_range=1.0).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return peaky_qwen2_folder(tmp_path_factory.mktemp("peaky_qwen2"))
 
 
 @pytest.fixture(scope="module")

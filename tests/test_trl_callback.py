@@ -7,11 +7,10 @@ group has nonzero advantages.
 """
 
 import math
-import zlib
 
 import pytest
 import torch
-from tiny import tiny_qwen2, tiny_tokenizer
+from tiny import peaky_qwen2_folder, spread_reward
 
 pytest.importorskip("trl", reason="the trl extra is not installed (pip install -e '.[trl]')")
 
@@ -30,19 +29,9 @@ from lopti_lab.update import Objective, UpdateSpec, advantages_and_stages, updat
 K = len(DEFAULT_BINS) - 1
 
 
-def spread_reward(completions, **kwargs):
-    """0, 1 or 2 from a hash of the text: a spread of rewards in every group."""
-    return [float(zlib.crc32(c.encode()) % 3) for c in completions]
-
-
 @pytest.fixture(scope="module")
 def peaky_model(tmp_path_factory):
-    tok = tiny_tokenizer()
-    tok.padding_side = "left"
-    path = tmp_path_factory.mktemp("peaky_qwen2_credit")
-    tiny_qwen2(len(tok), initializer_range=1.0, tie_word_embeddings=False).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return peaky_qwen2_folder(tmp_path_factory.mktemp("peaky_qwen2_credit"), tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,21 @@ _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
                "max_position_embeddings")  # fmt: skip
 
 
+def spread_reward(completions, **kwargs) -> list[float]:
+    """A TRL reward of 0, 1 or 2 from a hash of each text: a spread of rewards in every group."""
+    return [float(zlib.crc32(c.encode()) % 3) for c in completions]
+
+
+def peaky_qwen2_folder(path, **overrides) -> str:
+    """A tiny random Qwen2 whose sampled tokens have probabilities spread over (0, 1) (large initial weights), saved
+    with a left-padding tokenizer as a local model folder; ``overrides`` go to its config."""
+    tok = tiny_tokenizer()
+    tok.padding_side = "left"
+    tiny_qwen2(len(tok), initializer_range=1.0, **overrides).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 def shaped_qwen2(config: dict, dtype=torch.float32, device="cpu", lora: bool = True, checkpointing: bool = True,
                  **overrides):  # fmt: skip
     """A random-weight Qwen2 with a real model's shapes (a config.json dict, e.g. ``plan.model_config(hub_id)``;

@@ -28,16 +28,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train_kk import KKArguments, model_dtype, precision_defaults
-from transformers import AutoTokenizer
-from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
+from train_kk import KKArguments, kk_inputs, precision_defaults
+from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser
 
 from lopti_lab.bins import bin_labels
-from lopti_lab.integrations.trl import kk_dataset, kk_reward
 from lopti_lab.integrations.trl_callback import PRECISIONS, TokenCreditCallback, credit_rows
-from lopti_lab.kk import PROMPT_STYLES, load_split
-from lopti_lab.kk.data import parse_people
-from lopti_lab.models import model_path, prompt_style_of
 
 PANELS = [  # (metric key before _bin{k}, panel title)
     ("tokens/share", "token share"),
@@ -93,26 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = TrlParser((KKArguments, ProbeArguments, GRPOConfig, ModelConfig))
     parser.set_defaults(**precision_defaults())
     data, probe, args, model_args = parser.parse_args_and_config(argv)
-    if model_args.model_name_or_path is None:
-        parser.error("--model_name_or_path is required (a hub id, a local folder or 'lab')")
     if probe.fig3_precision not in PRECISIONS:
         parser.error(f"--fig3_precision must be one of {PRECISIONS}, got {probe.fig3_precision!r}")
-    model = model_path(model_args.model_name_or_path)
-    style = data.prompt_style or prompt_style_of(model_args.model_name_or_path) or "instruct"
-    if style not in PROMPT_STYLES:
-        parser.error(f"--prompt_style must be one of {PROMPT_STYLES}, got {style!r}")
-    args.model_init_kwargs = {"dtype": model_dtype(args, model_args), "revision": model_args.model_revision}
-
-    tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left", revision=model_args.model_revision)
-    puzzles = load_split("train", parse_people(data.people), data.data_root, data.train_limit)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[kk_reward],
-        args=args,
-        train_dataset=kk_dataset(puzzles, style, tokenizer),
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-    )
+    inputs, _, _ = kk_inputs(parser, data, args, model_args)
+    trainer = GRPOTrainer(**inputs)
     TokenCreditCallback(every=probe.every, fig3_precision=probe.fig3_precision).attach(trainer)
     trainer.train()
 

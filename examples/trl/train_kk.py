@@ -68,10 +68,9 @@ def model_dtype(args: LoptiGRPOConfig, model_args: ModelConfig) -> str:
     return "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = TrlParser((KKArguments, LoptiGRPOConfig, ModelConfig))
-    parser.set_defaults(**precision_defaults())
-    data, args, model_args = parser.parse_args_and_config(argv)
+def kk_inputs(parser: TrlParser, data: KKArguments, args, model_args: ModelConfig) -> tuple[dict, list, str]:
+    """A GRPO trainer's keyword arguments on K&K (the model, its tokenizer, the dataset in the prompt style the model
+    was trained on, the reward, LoRA), the training puzzles and the style; a bad setting is a usage error."""
     if model_args.model_name_or_path is None:
         parser.error("--model_name_or_path is required (a hub id, a local folder or 'lab')")
     model = model_path(model_args.model_name_or_path)  # "lab": the bundled lab model's folder
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left", revision=model_args.model_revision)
     puzzles = load_split("train", parse_people(data.people), data.data_root, data.train_limit)
-    trainer = LoptiGRPOTrainer(
+    inputs = dict(
         model=model,
         reward_funcs=[kk_reward],
         args=args,
@@ -96,6 +95,15 @@ def main(argv: list[str] | None = None) -> None:
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
+    return inputs, puzzles, style
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = TrlParser((KKArguments, LoptiGRPOConfig, ModelConfig))
+    parser.set_defaults(**precision_defaults())
+    data, args, model_args = parser.parse_args_and_config(argv)
+    inputs, puzzles, style = kk_inputs(parser, data, args, model_args)
+    trainer = LoptiGRPOTrainer(**inputs)
     if trainer.accelerator.is_main_process:
         method = "GRPO" + "+AR" * (args.ar_alpha is not None) + "+Lopti" * (args.lopti_eta is not None)
         state = trainer.accelerator.state
