@@ -206,3 +206,24 @@ def test_every_decimal_in_a_checked_section_is_checked(title):
     prose = re.sub(r"`[^`]*`|\]\([^)]*\)", " ", section(title))  # code and link targets are not claims
     unchecked = set(re.findall(r"\d+\.\d+", prose)) - checked - UNBACKED[title]
     assert not unchecked, f"README.md, '{title}': numbers no test checks: {sorted(unchecked)}"
+
+
+def test_the_first_pictures_caption_is_its_figures_record():
+    """The README's first picture (scripts/readme_figure.py): its caption's shares are the hard lab's recorded ones."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_figure", README.parent / "scripts" / "readme_figure.py")
+    figure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figure)
+    table = figure.shares("GRPO")
+    text = " ".join(README.read_text().split())
+    caption = (
+        r"p < 0\.25 are (\d+)% of the response and carry (\d+)% of the gradient; the (\d+)% at p >= 0\.75 carry (\d+)%"
+    )
+    match = re.search(caption, text)
+    assert match, "README.md: the first picture's caption was reworded (update this pattern)"
+    low, top = table.iloc[0], table.iloc[-1]
+    values = [100 * low["token_share"], 100 * low["grad_share"], 100 * top["token_share"], 100 * top["grad_share"]]
+    wrong = [(p, v) for p, v in zip(match.groups(), values, strict=True) if not agrees(p, v)]
+    assert not wrong, f"README.md, the first picture's caption: {wrong}"
+    assert "readme_gradient_share.png" in text and (README.parent / "docs" / "readme_gradient_share.png").exists()
