@@ -1,16 +1,19 @@
 """The bad-input table: every field of every config (TrainConfig, DemoConfig, PretrainConfig, EvalConfig,
 DataConfig) with the bad values tried and the error each gets, then bad K&K files and damaged run folders. Generated
-from the code into docs/bad_inputs.md:
+from the code into docs/bad_inputs.md, a compact table (one row per field, or per group of fields given the same
+values and errors); every value with its whole message is printed by --full:
 
     python tests/bad_input_table.py --write docs/bad_inputs.md    # regenerate after changing a config
     python tests/bad_input_table.py --check docs/bad_inputs.md    # exit 1 if the committed table is stale
+    python tests/bad_input_table.py --full                        # every case, its value and its whole error
 
 Config cases come from two places. Every field gets wrong-type values derived from its annotation (``type_cases``:
 a string where a number belongs, a number where a string belongs, ...), so a new field is tried without anyone
 writing it; and each field has its own out-of-range values and inconsistent combinations in ``CASES`` below.
-Each case must raise a ValueError whose message starts with the field ("TrainConfig.lr must be ..."), from the
-config's own validation, before any model loads. tests/test_bad_inputs.py fails if a field has no entry in CASES,
-if any case is accepted or names another field, or if docs/bad_inputs.md differs from a fresh table.
+Each case must raise a ValueError whose message starts with the field's whole name ("TrainConfig.lr must be ...";
+an error naming TrainConfig.lr_x would not do), from the config's own validation, before any model loads.
+tests/test_bad_inputs.py fails if a field has no entry in CASES, if any case is accepted or names another field, or
+if docs/bad_inputs.md differs from a fresh table.
 """
 
 from __future__ import annotations
@@ -214,7 +217,11 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         "parquet": [("a JSON string", "false")],
     },
     "PretrainConfig": {
-        "people": [("empty", ()), ("out of range", (1,)), ("no data file", (9,))],
+        "people": [
+            ("empty", ()),
+            ("out of range", (1,)),
+            ("no data file", Combo({"people": (9,), "people_weights": (1.0,)})),
+        ],
         "people_weights": [
             ("inconsistent: one weight for two counts", Combo({"people": (2, 3), "people_weights": (1.0,)})),
             ("all zero", (0.0, 0.0, 0.0, 0.0)),
@@ -314,6 +321,8 @@ class Row:
     error: str
     """the message, or "ACCEPTED" when nothing was raised (a failing row)"""
     ok: bool
+    typed: bool = False
+    """a wrong-type value derived from the field's annotation (``type_cases``), not one of its own ``CASES``"""
 
 
 def config_rows() -> list[Row]:
@@ -323,12 +332,20 @@ def config_rows() -> list[Row]:
         hints = typing.get_type_hints(cls)
         base = cls(**BASES.get(owner, {}))
         for f in dataclasses.fields(cls):
-            for kind, value in type_cases(hints[f.name]) + CASES[owner].get(f.name, []):
+            typed = [(kind, value, True) for kind, value in type_cases(hints[f.name])]
+            own = [(kind, value, False) for kind, value in CASES[owner].get(f.name, [])]
+            for kind, value, derived in typed + own:
                 values = value.values if isinstance(value, Combo) else {f.name: value}
                 error = _raised(lambda: replace(base, **values))  # noqa: B023 (called at once)
-                ok = error is not None and error.startswith(f"{owner}.{f.name}")
-                rows.append(Row(owner, f"{owner}.{f.name}", kind, _show(value), error or "ACCEPTED", ok))
+                ok = error is not None and _names(error, f"{owner}.{f.name}")
+                rows.append(Row(owner, f"{owner}.{f.name}", kind, _show(value), error or "ACCEPTED", ok, derived))
     return rows
+
+
+def _names(error: str, subject: str) -> bool:
+    """Whether the error starts with the field's name, as a whole name: 'PretrainConfig.people_weights must ...'
+    does not name PretrainConfig.people."""
+    return error.startswith(subject) and not error[len(subject) : len(subject) + 1].isidentifier()
 
 
 def _raised(build: Callable[[], object]) -> str | None:
@@ -487,23 +504,54 @@ def all_rows() -> list[Row]:
 
 
 INTRO = (
-    """Generated from the code (tests/bad_input_table.py) by `python tests/bad_input_table.py --write
-docs/bad_inputs.md`; tests/test_bad_inputs.py fails when it is stale. Config errors are raised by the config's own
-validation, before any model loads; K&K files are read with `kk.load_jsonl`; run folders are checked as
-`train(resume=True)` checks them, before any model loads (`repaired:` rows are not errors: the resume fixes the
-folder and says so)."""
+    """What lopti_lab refuses, and what it says. A bad config field is refused by the config's own validation before
+any model loads, with an error that starts with the field's name (`TrainConfig.lr must be ...`); a bad K&K line by
+`kk.load_jsonl`, naming the file and line; a damaged run folder as `train(resume=True)` checks it, before any model
+loads (`repaired:`: the resume fixes the folder and says so)."""
 ).replace("\n", " ")
+
+HOW = (
+    """A row holds the config fields given the same values and errors: the values of their own (every field is also
+given a wrong type: `'8'`, `2.5`, `True` for an int; `'0.5'`, `nan` for a number; `3` for a string; `'yes'`, `1`
+for a flag; `7` for a list) and each distinct error, without the field's name and the `got <value>` behind.
+Generated by `python tests/bad_input_table.py --write docs/bad_inputs.md` (`--full`: every value, every whole
+message); tests/test_bad_inputs.py tries every value and fails when this page is stale."""
+).replace("\n", " ")
+
+MESSAGE_CHARS = 60
+"""An error message is cut to this many characters on the page (`--full` prints it whole)."""
 
 
 def markdown(rows: list[Row]) -> str:
-    """docs/bad_inputs.md: one table per section."""
-    out = [
-        "# Bad inputs and the errors they get",
-        "",
-        INTRO,
-        "",
-        f"{len(rows)} bad inputs: " + ", ".join(f"{n} {s}" for s, n in _counts(rows).items()) + ".",
-    ]
+    """docs/bad_inputs.md: a table per section, one row per config field (its values, its distinct errors)."""
+    counts = _counts(rows)
+    out = ["# Bad inputs and the errors they get", "", INTRO, "",
+           f"{len(rows)} bad inputs: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".", "", HOW]  # fmt: skip
+    for section in counts:
+        these = [r for r in rows if r.section == section]
+        if section in config_classes():
+            out += ["", f"## {section}", "", "| fields | values tried | error |", "|---|---|---|"]
+            alike: dict[tuple[str, str], list[str]] = {}  # fields given the same values and errors share a row
+            for subject in dict.fromkeys(r.subject for r in these):
+                field = [r for r in these if r.subject == subject]
+                shown = [r for r in field if not r.typed] or field
+                values = " ".join(_cell(r.value) for r in shown)
+                errors = "; ".join(dict.fromkeys(_short(r.error, subject) for r in field))
+                alike.setdefault((values, errors), []).append(f"`{subject.split('.', 1)[1]}`")
+            out += [f"| {', '.join(names)} | {vals} | {_escape(errs)} |" for (vals, errs), names in alike.items()]
+        else:
+            prefix = f"{these[0].subject} line 2: " if section == "K&K file" else ""
+            where = (f"Each case is written as line 2 of `{these[0].subject}` (line 1 a good record); every error "
+                     f"starts with `{prefix.strip()}`." if prefix else "A small real run folder, `run`, damaged one "
+                     "way at a time.")  # fmt: skip
+            out += ["", f"## {section}", "", where, "", "| case | error |", "|---|---|"]
+            out += [f"| {r.kind} | {_escape(_cut(r.error.removeprefix(prefix)))} |" for r in these]
+    return "\n".join(out) + "\n"
+
+
+def full_markdown(rows: list[Row]) -> str:
+    """Every row with its whole message (``--full``): a table per section."""
+    out = ["# Bad inputs and the errors they get (every value)", "", INTRO]
     for section in _counts(rows):
         out += ["", f"## {section}", "", "| input | bad value | kind | error |", "|---|---|---|---|"]
         out += [f"| {_cell(r.subject)} | {_cell(r.value)} | {r.kind} | {_cell(r.error)} |" for r in rows
@@ -511,11 +559,34 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _short(error: str, subject: str) -> str:
+    """An error as the compact table shows it: the field's name cut where the row already says it, and the bad
+    value behind cut.
+
+    'TrainConfig.lora_r must be an int >= 1 or None, got 0', 'TrainConfig.lora_r' -> 'must be an int >= 1 or None'
+    'DemoConfig.train.lr must be a finite number > 0, got 0.0', 'DemoConfig.train' -> 'train.lr must be a ...'
+    """
+    rest = error.removeprefix(subject)
+    if rest.startswith((" must ", " is ", " needs ", ":")):
+        text = rest.removeprefix(":").strip()
+    else:
+        text = error.removeprefix(subject.split(".", 1)[0] + ".")
+    return _cut(text.split(", got ", 1)[0])
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3].rstrip() + "..."
+
+
 def _counts(rows: list[Row]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for r in rows:
         counts[r.section] = counts.get(r.section, 0) + 1
     return counts
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _cell(text: str) -> str:
@@ -527,13 +598,16 @@ def main(argv: list[str] | None = None) -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", help="write the table to this file")
     group.add_argument("--check", help="exit 1 if this file differs from a fresh table")
+    group.add_argument("--full", action="store_true", help="print every value with its whole error message")
     args = parser.parse_args(argv)
     rows = all_rows()
     text = markdown(rows)
     bad = [r for r in rows if not r.ok]
     for r in bad:
         print(f"not refused by name: {r.subject} = {r.value} ({r.kind}): {r.error}")
-    if args.write:
+    if args.full:
+        print(full_markdown(rows), end="")
+    elif args.write:
         Path(args.write).write_text(text, encoding="utf-8")
         print(f"wrote {args.write}: {len(rows)} bad inputs")
     elif Path(args.check).read_text(encoding="utf-8") != text:

@@ -99,3 +99,24 @@ def test_cli_train_refuses_every_bad_config_file_before_loading(tmp_path, monkey
             assert f"TrainConfig.{name}" in capsys.readouterr().err, (name, value)
             tried += 1
     assert tried >= 70 and not (tmp_path / "runs").exists()
+
+
+def test_the_page_is_a_compact_table_of_every_field(rows):
+    """docs/bad_inputs.md names every field of every config in its config's table, in under 16 KiB; the whole
+    messages stay in `--full` (and in this test's rows)."""
+    page = bad_inputs.markdown(rows)
+    assert len(page.encode()) <= 16 * 1024
+    sections = dict(part.split("\n", 1) for part in page.split("\n## ")[1:])
+    for owner, cls in bad_inputs.config_classes().items():
+        missing = [f.name for f in dataclasses.fields(cls) if f"`{f.name}`" not in sections[owner]]
+        assert not missing, (owner, missing)
+    full = bad_inputs.full_markdown(rows)
+    assert all(r.error.replace("|", "\\|").replace("`", "'").replace("\n", " ") in full for r in rows)
+
+
+def test_an_error_naming_a_longer_field_does_not_name_the_field():
+    """'PretrainConfig.people_weights must ...' is not an error about PretrainConfig.people."""
+    assert bad_inputs._names("PretrainConfig.people must not be empty, got ()", "PretrainConfig.people")
+    assert bad_inputs._names("PretrainConfig.people: no test file for 9 people", "PretrainConfig.people")
+    assert bad_inputs._names("PretrainConfig.spec.num_hidden_layers must be ...", "PretrainConfig.spec")
+    assert not bad_inputs._names("PretrainConfig.people_weights must give one weight", "PretrainConfig.people")

@@ -86,8 +86,8 @@ def peak_bytes(work, *args) -> int:
 
 @pytest.mark.skipif(not cpu_peak_supported(), reason="a CPU peak needs torch's memory profiler")
 def test_fig3_measurement_peaks_within_a_training_micro_step_on_a_05b_shape():
-    """Measured (2026-12-06, 4 layers, 2 rows of 256 tokens): the micro-step ~850 MiB, the streamed measurement
-    ~80 MiB (0.1x), today's whole-model float64 ~1,730 MiB (2.0x; benchmarks/README.md)."""
+    """The streamed float64 measurement peaks far below a training micro-step (4 layers, 2 rows of 256 tokens), where
+    a whole-model float64 copy peaks at about twice it (the measured MiB: benchmarks/README.md)."""
     model = qwen25_05b_shaped()
     ids, attn, mask = rows_of(model)
     warm = rows_of(model, rows=1, prompt=4, response=4)

@@ -162,7 +162,7 @@ class PretrainConfig:
         if self.init_from is not None:
             check.need(
                 isinstance(self.init_from, str) and (Path(self.init_from) / "config.json").is_file(),
-                "init_from", f"must be a lab model folder (with a config.json), got {self.init_from!r}",
+                "init_from", "must be a lab model folder (with a config.json)",
             )  # fmt: skip
         trace_ok = self.trace is None or isinstance(self.trace, TraceStyle)
         check.need(trace_ok, "trace", "must be None, a lab.trace.TraceStyle or a dict of its fields")

@@ -4,8 +4,8 @@
                         temperature=0.7)
     out.response_ids, out.logp, out.entropy     # (B, T) each; logp: log pi at the sampling temperature
 
-What HF generate does per token that this loop does not (measured on the lab model, 64 rows: ``torch.cat`` of the
-growing KV cache was 37% of generate's CPU time, benchmarks/README.md "One lab RL step against its floor"):
+What HF generate does per token that this loop does not (on the lab model at 64 rows, re-concatenating the growing
+KV cache with ``torch.cat`` at every token was the largest single cost of HF's decode):
 - each prompt is prefilled once for its G rows (GRPO's groups share it), not G times;
 - the KV cache is allocated once, at its final length, and written in place;
 - a finished row leaves the batch (the batch is compacted once DEAD_SHARE of it is dead), instead of being decoded

@@ -242,9 +242,8 @@ class GradientProbe:
     that layer's weights are split (checkpointing's early stop is off while attached, so a re-run reaches every
     probed module). Beyond that, a module's output gradient until its weight gradient arrives (one layer's
     backward), and per split one weight-sized matrix per group or one (N, N) Gram block (N <= 4096 positions).
-    tests/test_probe_memory.py measures it on a Qwen2.5-0.5B shape. Costs, measured in benchmarks/README.md: about
-    1.3x a plain forward + backward on a 100M model on one CPU thread (1.15x with LoRA), a constant ~10 ms per
-    backward on tiny models.
+    tests/test_probe_memory.py measures it on a Qwen2.5-0.5B shape; its time against a plain forward + backward
+    (full fine-tuning, LoRA, tiny models) is measured in benchmarks/README.md.
     """
 
     def __init__(
