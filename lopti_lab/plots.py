@@ -18,6 +18,13 @@ from lopti_lab.theory import grad_norm_bounds
 
 SIGN_COLORS = {"pos": "tab:blue", "neg": "tab:red"}
 SIGN_NAMES = {"pos": "A > 0", "neg": "A < 0"}
+METRIC_TITLES = {
+    "reward/mean": "mean reward, training batch",
+    "acc/all": "accuracy, training batch (acc/all)",
+    "eval/sample/acc_all": "test accuracy, sampled (T = rollout)",
+    "eval/greedy/acc_all": "test accuracy, greedy",
+}
+"""Panel titles of the metrics a reader meets first: the training batch's numbers apart from the test set's."""
 
 
 def _require(frame: pd.DataFrame, name: str, columns: Sequence[str]) -> None:
@@ -90,8 +97,9 @@ def fig1(tokens: pd.DataFrame, grads: pd.DataFrame, *, title: str | None = None)
 
     (a) share of tokens per probability bin; (b) advantage distribution per bin; (c) probability change per bin after
     one update on all tokens; (d) gradient norm when updating only one bin, against all tokens; (e) probability change
-    after updating only the lowest bin; (f) only the highest bin. (c), (e), (f) share their y axis, so that (e) ~ (c)
-    shows the lowest bin driving the whole update. `tokens` needs update, bin, label, advantage, delta_p; `grads`
+    after updating only the lowest bin; (f) only the highest bin. (c), (e), (f) each have their own y axis (a single
+    bin's update can move tokens orders of magnitude less than the full one; a shared axis would hide it): read their
+    scales, or the notebook's read-out, to compare them. `tokens` needs update, bin, label, advantage, delta_p; `grads`
     needs update and grad_norm, updates named "all" and "bin{k}".
     """
     _require(tokens, "tokens", ["update", "bin", "label", "advantage", "delta_p"])
@@ -129,8 +137,6 @@ def fig1(tokens: pd.DataFrame, grads: pd.DataFrame, *, title: str | None = None)
         ax.set_ylabel("probability change")
         ax.set_title(name)
     ax_c.legend(loc="best", fontsize="small")
-    ax_e.sharey(ax_c)
-    ax_f.sharey(ax_c)
 
     names = [*(f"bin{b}" for b in bins), "all"]
     norms = grads.set_index("update")["grad_norm"].reindex(names)
@@ -374,11 +380,12 @@ def learning_curves(
             wide = rows[rows["method"] == method].pivot_table(index="step", columns="run", values="value")
             if smooth > 1:
                 wide = wide.rolling(smooth, center=True, min_periods=1).mean()
-            ax.plot(wide.index, wide.mean(axis=1), color=f"C{i}", label=method)
+            sparse = len(wide) <= 12  # test evaluations, every few steps: show each one
+            ax.plot(wide.index, wide.mean(axis=1), color=f"C{i}", label=method, marker="o" if sparse else None)
             if wide.shape[1] > 1:
                 ax.fill_between(wide.index, wide.min(axis=1), wide.max(axis=1), color=f"C{i}", alpha=0.15)
         ax.set_xlabel("RL step")
-        ax.set_title(metric)
+        ax.set_title(METRIC_TITLES.get(metric, metric), fontsize="medium")
     axes[0].legend(fontsize="small")
     return fig
 
@@ -501,9 +508,15 @@ def live_training(history: Sequence[dict]) -> Figure:
         (c for c in frame.columns if c.startswith("acc/") and c.endswith("ppl")), key=lambda c: int(c[4:-3])
     ):
         ax_a.plot(frame["step"], frame[column], marker=".", label=column[4:])
+    for mode, style in (("sample", "s"), ("greedy", "D")):
+        test = frame.dropna(subset=[f"eval/{mode}/acc_all"]) if f"eval/{mode}/acc_all" in frame else frame.iloc[0:0]
+        if not test.empty:
+            ax_a.plot(
+                test["step"], test[f"eval/{mode}/acc_all"], marker=style, color="k", ls=":", label=f"test, {mode}"
+            )
     ax_a.set_ylim(-0.02, 1.02)
     ax_a.set_xlabel("RL step")
-    ax_a.set_title("(b) training accuracy by people count")
+    ax_a.set_title("(b) accuracy: training batch by people count, test (avg)")
     if ax_a.get_lines():
         ax_a.legend(fontsize="small")
     shares = [c for c in frame.columns if c.startswith("grad/share_bin")]

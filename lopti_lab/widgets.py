@@ -92,15 +92,8 @@ def softmax_table(logits: Sequence[float], temperature: float = 1.0) -> pd.DataF
     p = z.softmax(-1)
     norms = logit_grad_norm(z.expand(V, V), torch.arange(V))
     lower, upper = grad_norm_bounds(p.numpy(), V)
-    return pd.DataFrame(
-        {
-            "token": [f"t{i}" for i in range(V)],
-            "prob": p.numpy(),
-            "grad_norm": norms.numpy(),
-            "lower": lower,
-            "upper": upper,
-        }
-    )
+    columns = {"token": [f"t{i}" for i in range(V)], "prob": p.numpy(), "grad_norm": norms.numpy()}
+    return pd.DataFrame({**columns, "lower": lower, "upper": upper})
 
 
 class SoftmaxExplorer(_Panel):
@@ -528,11 +521,14 @@ def find_runs(root: str | Path = "runs") -> list[Path]:
     return sorted(set(found))
 
 
+COMPARED = ("reward/mean", "acc/all", "eval/sample/acc_all", "eval/greedy/acc_all")  # the training batch's, the test's
+
+
 class ComparePanel(_Panel):
     """Pick run folders and compare them: learning curves, final test accuracy by people count, gradient shares."""
 
-    def __init__(self, root: str | Path = "runs", metrics: Sequence[str] = ("reward/mean", "acc/all")):
-        self.root = Path(root)
+    def __init__(self, root: str | Path = "runs", metrics: Sequence[str] = COMPARED):
+        self.root, self.wanted = Path(root), tuple(metrics)
         self.runs = W.SelectMultiple(description="runs", rows=8, layout=W.Layout(width="60%"))
         self.metrics = W.SelectMultiple(options=list(metrics), value=list(metrics), description="metrics", rows=8)
         self.smooth = W.IntSlider(value=1, min=1, max=20, description="smoothing")
@@ -561,7 +557,7 @@ class ComparePanel(_Panel):
             for path in found[:20]:
                 known |= {k for k in _metric_keys(path)}
             self.metrics.options = sorted(known)
-            self.metrics.value = [m for m in ("reward/mean", "acc/all") if m in known]
+            self.metrics.value = [m for m in self.wanted if m in known]
 
     def show(self):
         """Draw the comparison of the selected runs; returns the tidy table it drew from."""

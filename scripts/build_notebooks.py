@@ -7,8 +7,13 @@
 The committed notebooks carry the outputs of a full run (``QUICK = False``) on the CPU lab, so that a reader on a
 repository browser or in Colab sees every figure before running anything. Each runs in a scratch folder (its run
 folders and reports land there, not in the checkout), one kernel at a time, with the kernel's torch on
-``--threads`` threads. ``--check`` compares the cells' sources with notebooks/src, ignoring outputs, and requires
-every code cell to have run without an error.
+``--threads`` threads, offline (the hub is never asked) and with every progress bar off. ``--check`` compares the
+cells' sources with notebooks/src, ignoring outputs, and requires every code cell to have run without an error.
+
+A panel (an ipywidgets widget) shows only where a widget manager runs: on a repository browser or in a Colab preview
+it is a line of text. So after each panel's output the build adds, as plain outputs, what the panel showed when the
+cell ran (its figures and tables), and replaces the panel's text fallback by a line saying what it is. Each build
+records its wall time and machine in notebooks/build_record.json (entries of notebooks not rebuilt are kept).
 
 A source file is plain Python split into cells by ``# %%`` lines (``# %% [markdown]`` for a markdown cell whose
 lines are comments), the "percent" format that Jupytext, VS Code and Spyder read. The tests execute QUICK copies.
@@ -17,10 +22,14 @@ lines are comments), the "percent" format that Jupytext, VS Code and Spyder read
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import platform
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import nbformat
@@ -30,6 +39,22 @@ SOURCES = ROOT / "notebooks" / "src"
 KERNEL = {"display_name": "Python 3", "language": "python", "name": "python3"}
 MAX_TOTAL_BYTES = 5_000_000
 """The five executed notebooks together stay under 5 MB (figures at the notebooks' own dpi)."""
+RECORD = ROOT / "notebooks" / "build_record.json"
+"""Per notebook, how its committed outputs were built: wall seconds, UTC date, threads, machine, torch version."""
+QUIET_OFFLINE = {
+    "TQDM_DISABLE": "1",  # tqdm's bars (the demo's worker pool) would stay frozen in the saved outputs
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" bar
+    "HF_HUB_OFFLINE": "1",  # the build reads only what is bundled: no hub lookup, no retries
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+"""The kernel's environment beyond its thread count: what a committed output must not carry (progress bars, hub
+retries) is switched off at its source."""
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+PANEL_NOTE = (
+    "[an interactive panel: it works when the notebook runs; what it showed when the notebook was built follows]"
+)
 
 
 def parse_cells(text: str) -> list[tuple[str, str]]:
@@ -66,7 +91,7 @@ def execute(nb: nbformat.NotebookNode, threads: int, timeout: int) -> float:
     """Run every cell of ``nb`` in place, in a fresh kernel started in a scratch folder; returns the seconds taken."""
     from nbclient import NotebookClient
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **QUIET_OFFLINE}
     with tempfile.TemporaryDirectory(prefix="lopti_lab_nb_") as scratch:
         start = time.perf_counter()
         # the panels' widget state is stored with the outputs: JupyterLab shows them as they were left
@@ -82,22 +107,87 @@ def execute(nb: nbformat.NotebookNode, threads: int, timeout: int) -> float:
     return time.perf_counter() - start
 
 
+def _widget_models(nb: nbformat.NotebookNode) -> dict:
+    """The stored widget state: {model id: {"model_name": ..., "state": {...}}} (empty if none was stored)."""
+    return nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+
+
+def panel_outputs(models: dict, model_id: str) -> list[dict]:
+    """What the Output widgets inside the widget ``model_id`` show, in the panel's order, as plain display outputs
+    (a figure keeps only its image; a table its HTML and text)."""
+    model = models.get(model_id)
+    if model is None:
+        return []
+    state = model.get("state", {})
+    if model.get("model_name") == "OutputModel":
+        shown = []
+        for output in state.get("outputs", []):
+            data = dict(output.get("data", {}))
+            if "image/png" in data:
+                data = {"image/png": data["image/png"]}
+            if data:
+                shown.append(nbformat.v4.new_output("display_data", data=data))
+        return shown
+    children = state.get("children", [])
+    return [o for child in children for o in panel_outputs(models, child.removeprefix("IPY_MODEL_"))]
+
+
+def add_static_panels(nb: nbformat.NotebookNode) -> int:
+    """After each panel output, what its Output widgets showed, as plain outputs; the panel's text fallback (its
+    repr, e.g. ``VBox(children=(...``) becomes ``PANEL_NOTE``. Returns how many outputs were added."""
+    models = _widget_models(nb)
+    added = 0
+    for cell in nb.cells:
+        outputs = []
+        for output in cell.get("outputs", []):
+            outputs.append(output)
+            view = output.get("data", {}).get(WIDGET_VIEW)
+            if view is None:
+                continue
+            shown = panel_outputs(models, view["model_id"])
+            output["data"]["text/plain"] = PANEL_NOTE if shown else "[an interactive panel: run the notebook to use it]"
+            outputs += shown
+            added += len(shown)
+        if "outputs" in cell:
+            cell["outputs"] = outputs
+    return added
+
+
 def shrink_figures(nb: nbformat.NotebookNode, above: int = 60_000, colors: int = 128) -> None:
-    """Store each figure larger than ``above`` base64 characters as a ``colors``-colour palette PNG, in place: line
-    plots lose nothing a reader sees, and the notebook a third of its size."""
+    """Store each figure larger than ``above`` base64 characters as a ``colors``-colour palette PNG, in place (in the
+    cells' outputs and in the panels' stored state): line plots lose nothing a reader sees, and the notebook a third
+    of its size."""
     import base64
     import io
 
     from PIL import Image
 
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            data = output.get("data", {})
-            if len(data.get("image/png", "")) > above:
-                image = Image.open(io.BytesIO(base64.b64decode(data["image/png"]))).convert("RGB")
-                buffer = io.BytesIO()
-                image.quantize(colors=colors, method=Image.Quantize.MEDIANCUT).save(buffer, "PNG", optimize=True)
-                data["image/png"] = base64.b64encode(buffer.getvalue()).decode()
+    widget_outputs = [o for m in _widget_models(nb).values() for o in m.get("state", {}).get("outputs", [])]
+    for output in [*(o for cell in nb.cells for o in cell.get("outputs", [])), *widget_outputs]:
+        data = output.get("data", {})
+        if len(data.get("image/png", "")) > above:
+            image = Image.open(io.BytesIO(base64.b64decode(data["image/png"]))).convert("RGB")
+            buffer = io.BytesIO()
+            image.quantize(colors=colors, method=Image.Quantize.MEDIANCUT).save(buffer, "PNG", optimize=True)
+            data["image/png"] = base64.b64encode(buffer.getvalue()).decode()
+
+
+def record_build(name: str, wall_s: float, threads: int, path: Path = RECORD) -> dict:
+    """Write ``name``'s entry of the build record (the other notebooks' entries stay as they were); returns it."""
+    record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    record[name] = {
+        "wall_s": round(wall_s, 1),
+        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
+        "threads": threads,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": version("torch"),
+        "quick": False,
+        # the machine's 1-, 5- and 15-minute load averages as the build ends: a loaded machine inflates wall_s
+        "load_at_end": [round(x, 1) for x in os.getloadavg()],
+    }
+    path.write_text(json.dumps(dict(sorted(record.items())), indent=1) + "\n", encoding="utf-8")
+    return record[name]
 
 
 def stale_reasons(source: Path, target: Path) -> list[str]:
@@ -133,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         nb = build(source)
         elapsed = execute(nb, args.threads, args.timeout)
+        add_static_panels(nb)
         shrink_figures(nb)
         target.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
+        record_build(source.stem, elapsed, args.threads)
         print(f"wrote {target.relative_to(ROOT)}: executed in {elapsed:.0f} s, {target.stat().st_size / 1e6:.2f} MB")
     total = sum(p.stat().st_size for p in (ROOT / "notebooks").glob("*.ipynb"))
     if total > MAX_TOTAL_BYTES:

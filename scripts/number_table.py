@@ -61,6 +61,8 @@ def notebook_times(record: Path = BUILD_RECORD) -> list[Number]:
         if entry.get("quick"):
             continue  # a QUICK build's time is not the notebook's
         where = f"{entry['date']}, {entry['cpu_count']} cores, {entry['threads']} threads, torch {entry['torch']}"
+        if "load_at_end" in entry:
+            where += f", load average {entry['load_at_end'][1]:g} over the last 5 min"
         what = f"notebook {name}, executed in full by `scripts/build_notebooks.py` ({where})"
         key = f"nb.{name[:2]}"
         out += [Number(key, entry["wall_s"], what + ", s", _rel(record)),

@@ -170,6 +170,41 @@ def test_04_train_from_the_page_then_compare_in_05(browser, lab):
     finish(page, lab)
 
 
+BUILT_PANELS = {"01": ("AR alpha", "ui_01_toy_panel"), "04": ("Advantage Reweighting", "ui_04_train_panel"),
+                "05": ("Rescan", "ui_05_compare_panel")}  # fmt: skip
+
+
+def test_committed_panels_show_their_full_runs_before_anything_runs(browser, tmp_path_factory):
+    """A reader who opens a committed notebook in JupyterLab sees each panel as its full build left it (the widget
+    state stored with the outputs: the toy's 40 steps, the demo run of 04, the demo's four runs in 05) before running
+    a cell, once the notebook is trusted (an untrusted one shows the build's static copies below each panel instead).
+    Their screenshots (reports/ui/ui_*.png) are the README's (docs/ui_*.png): panels of full runs, not of the
+    QUICK runs the tests above make."""
+    import subprocess
+    import sys
+
+    from playwright.sync_api import expect
+
+    root = tmp_path_factory.mktemp("built")
+    for number in BUILT_PANELS:
+        (root / NOTEBOOKS[number].name).write_bytes(NOTEBOOKS[number].read_bytes())
+        # JupyterLab renders a stored panel only in a trusted notebook (untrusted, it shows the panel's text/plain)
+        subprocess.run([sys.executable, "-m", "jupyter", "trust", str(root / NOTEBOOKS[number].name)], check=True)
+    with JupyterLab(root) as server:
+        for number, (label, name) in BUILT_PANELS.items():
+            page = NotebookPage.open(browser, server, NOTEBOOKS[number].name)
+            page.page.set_viewport_size({"width": 1400, "height": 2400})  # the whole panel on the screen
+            # a stored view carries a "disconnected" mark on every control until its cell runs: not shot for the README
+            page.page.add_style_tag(content=".jupyter-widgets-disconnected::before { display: none !important; }")
+            panel = page.widget_views().filter(has_text=label)
+            expect(panel.locator(".widget-output img").first).to_be_visible(timeout=WAIT_MS)
+            # stored views have no kernel model behind them until the cell runs again: disconnected, as expected
+            problems = [p for p in page.problems() if not p.endswith("disconnected widget views")]
+            assert panel.count() == 1 and not problems, problems
+            shoot(panel, name)
+            finish(page, server)
+
+
 def test_screenshots_are_small_enough_to_commit():
     """docs/ carries a few of reports/ui's screenshots for the README; they stay small."""
     docs = sorted((ROOT / "docs").glob("ui_*.png"))

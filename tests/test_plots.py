@@ -60,9 +60,10 @@ def test_fig1_has_the_six_panels_with_their_data(sweep):
         [p.get_height() for p in axes[3].patches],
         grads.set_index("update")["grad_norm"].loc[["bin0", "bin1", "bin2", "bin3", "all"]],
     )
-    for ax in (axes[2], axes[4], axes[5]):  # (c), (e), (f): boxes of both advantage signs, shared y
+    for ax in (axes[2], axes[4], axes[5]):  # (c), (e), (f): boxes of both advantage signs, each on its own scale
         assert len(ax.patches) >= 2 and ax.get_ylabel() == "probability change"
-    assert axes[4].get_shared_y_axes().joined(axes[2], axes[4])
+    assert not axes[4].get_shared_y_axes().joined(axes[2], axes[4])
+    assert not axes[5].get_shared_y_axes().joined(axes[2], axes[5])
     assert [t.get_text() for t in axes[2].get_legend().get_texts()] == ["A > 0", "A < 0"]
     rendered(fig)
 
@@ -165,6 +166,7 @@ def test_learning_curves_plot_the_seed_mean_with_a_band():
     ax = fig.axes[0]
     assert [line.get_label() for line in ax.lines] == ["GRPO", "GRPO+AR"], "the paper's method order"
     np.testing.assert_allclose(ax.lines[0].get_ydata(), [1.5, 2.5, 3.5])  # GRPO: mean of seeds 0 and 1
+    assert fig.axes[1].get_title() == "accuracy, training batch (acc/all)", "acc/all is the training batch's"
     assert len([c for c in ax.collections if isinstance(c, PolyCollection)]) == 2  # a min-max band per method
     with pytest.raises(ValueError, match="none of the requested metrics"):
         learning_curves(_long_table(), ["x"])
@@ -229,6 +231,11 @@ def test_live_training_draws_what_has_been_logged():
     fig = live_training(history)
     rendered(fig)
     assert [line.get_label() for line in fig.axes[1].lines] == ["3ppl", "4ppl"]
+    # a test evaluation shows beside the training batch's accuracy, greedy and sampled
+    history[1] |= {"eval/sample/acc_all": 0.25, "eval/greedy/acc_all": 0.75}
+    lines = {line.get_label(): line for line in live_training(history).axes[1].lines}
+    assert list(lines) == ["3ppl", "4ppl", "test, sample", "test, greedy"]
+    np.testing.assert_allclose(lines["test, greedy"].get_ydata(), [0.75])
     assert len(fig.axes[2].patches) == 8 and "step 2" in fig.axes[2].get_title()
     assert len(live_training([]).axes[0].lines) == 0
 

@@ -171,6 +171,9 @@ def test_compare_panel_reads_run_folders(base, tmp_path):
     panel = widgets.ComparePanel(root=tmp_path)
     assert sorted(panel.runs.options) == sorted(str(tmp_path / n) for n in ("ar", "grpo"))
     assert "reward/mean" in panel.metrics.options and "grad/share_bin0" in panel.metrics.options
+    # picked at first: the training batch's reward and accuracy, and the test accuracy where a run evaluated
+    assert widgets.COMPARED[2:] == ("eval/sample/acc_all", "eval/greedy/acc_all")
+    assert list(panel.metrics.value) == list(widgets.COMPARED)  # these runs evaluated once, at their end
     long = panel.show()
     assert set(long["method"]) == {"GRPO", "GRPO+AR"}
     assert len(panel.output.outputs) == 2  # learning curves and the gradient shares (no evaluation in these runs)

@@ -8,7 +8,7 @@
 # the direction of the update and the many high-probability tokens are barely (or wrongly) moved. This notebook shows
 # why, first with one softmax, then with a small policy trained four ways.
 #
-# **Run time** of a full run (QUICK = False) on a CPU: 13 s (one kernel thread).
+# **Run time** of a full run (QUICK = False) on a CPU: the last build's, with its machine, is in [docs/numbers.md](../docs/numbers.md).
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -35,7 +35,9 @@ import torch
 
 %matplotlib inline
 
-from lopti_lab import plots, theory, widgets
+from IPython.display import display
+
+from lopti_lab import plots, readouts, theory, widgets
 
 # %% [markdown]
 # ## One softmax
@@ -71,14 +73,17 @@ print("inside the wedge:", bool(((lower <= closed + 1e-12) & (closed <= upper + 
 
 # %%
 tokens = theory.sampled_tokens(n=1000 if QUICK else 10000, vocab_size=1000)
-plots.fig2(tokens=tokens, vocab_size=1000)
+display(plots.fig2(tokens=tokens, vocab_size=1000))
+readouts.wedge(tokens, vocab_size=1000)
 
 # %% [markdown]
 # Move the temperature: a hot softmax flattens every probability and every token's gradient is large; a cold one
 # makes the top token nearly certain and its gradient vanishes, while the rare tokens keep norms near one.
 
 # %%
-widgets.SoftmaxExplorer()
+explorer = widgets.SoftmaxExplorer()
+display(explorer)
+readouts.softmax(explorer.frame(), explorer.temperature.value)  # at the temperature the page opens with
 
 # %% [markdown]
 # ## Through the network
@@ -119,7 +124,8 @@ widgets.SoftmaxExplorer()
 # %%
 panel = widgets.ToyPanel(steps=5 if QUICK else 40)
 panel.run()
-panel
+display(panel)
+readouts.toy(panel.result)  # what the panel's default run shows; press Run again and rerun this line for yours
 
 # %% [markdown]
 # The numbers behind the panel: at the first step (the same batch for every method), the share of tokens and the
@@ -132,8 +138,7 @@ first.pivot_table(index="label", columns="method", values="grad_share", sort=Fal
 )
 
 # %% [markdown]
-# What to look for, and what the toy does not show: the lowest bin's share of the gradient is far above its share of
-# the tokens, the 1 - p effect in miniature. Whether AR or Lopti then learns faster depends on the optimizer (under
-# Adam, Lopti's second stage gives the confident tokens a full-size step of their own) and the seed; the toy's top
-# bin keeps moving the right way for every method, unlike the paper's GRPO, because one linear head on fixed features
-# interferes far less than a deep network's shared layers. Notebooks 02 and 04 look at the real thing.
+# What to look for: the lowest bin's share of the gradient against its share of the tokens, the 1 - p effect in
+# miniature. Which method learns faster depends on the optimizer (under Adam, Lopti's second stage gives the confident
+# tokens a full-size step of their own) and on the seed: one seed is no ranking. Notebooks 02 and 04 look at a real
+# policy.

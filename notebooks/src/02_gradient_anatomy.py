@@ -6,8 +6,8 @@
 # bin, and reproduce the paper's Fig. 1 and Fig. 2 with our probes. At the end, one frozen batch is updated four
 # ways (GRPO, GRPO+AR, GRPO+Lopti, GRPO+AR+Lopti) from the same weights to see what each fix changes.
 #
-# **Run time** of a full run (QUICK = False) on a CPU with the lab model: 102-115 s (two kernel threads, nothing
-# else running; two builds of this version on 2026-12-04).
+# **Run time** of a full run (QUICK = False) on a CPU with the lab model: the last build's, with its machine, is in
+# [docs/numbers.md](../docs/numbers.md).
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -34,7 +34,7 @@ from IPython.display import HTML
 
 %matplotlib inline
 
-from lopti_lab import counterfactual, kk, models, notebook, plots, probes, widgets
+from lopti_lab import counterfactual, kk, models, notebook, plots, probes, readouts, widgets
 
 env = notebook.setup(quick=QUICK)
 env
@@ -73,7 +73,8 @@ stats = probes.token_stats(model, rollout.input_ids, rollout.attention_mask, rol
                            temperature=batch.temperature)
 tokens = stats.to_frame()
 print(tokens.groupby("bin")[["prob", "grad_norm"]].agg(["count", "mean"]).round(3))
-plots.fig2(tokens=tokens, vocab_size=stats.vocab_size)
+display(plots.fig2(tokens=tokens, vocab_size=stats.vocab_size))
+readouts.wedge(tokens, vocab_size=stats.vocab_size)
 
 # %% [markdown]
 # ## Which bin carries the update (Fig. 1)
@@ -82,13 +83,15 @@ plots.fig2(tokens=tokens, vocab_size=stats.vocab_size)
 # then of each probability bin alone, measures the gradient norm and how every token's probability moved, and
 # restores the weights each time. Panels: (a) share of tokens per bin, (b) their advantages, (c) probability change
 # after the update on all tokens, (d) gradient norm of each bin alone vs all, (e) the change when updating only the
-# lowest bin, (f) only the highest bin.
+# lowest bin, (f) only the highest bin. Panels (c), (e) and (f) each have their own scale: compare their axes, or the
+# read-out below the figure, which puts the three side by side.
 
 # %%
 sweep_tokens, sweep_grads = probes.selective_sweep(model, rollout.input_ids, rollout.attention_mask,
                                                    rollout.response_mask, batch.advantages,
                                                    temperature=batch.temperature)
-plots.fig1(sweep_tokens, sweep_grads)
+display(plots.fig1(sweep_tokens, sweep_grads))
+readouts.fig1(sweep_tokens, sweep_grads)
 
 # %% [markdown]
 # ## Two exact attributions
@@ -109,8 +112,9 @@ tables.query("scope == 'model'").pivot_table(index="label", columns="attribution
 #
 # Each method's update (its optimizer steps for one RL step, exactly as the trainer takes them) is applied to this
 # frozen batch from the same weights; then we count, per probability bin, the share of positive-advantage tokens whose
-# probability went up (the "correct ratio"). The paper's GRPO falls below 0.5 in the top bin, and AR and Lopti hold it
-# up. The moves are measured between float64 forwards: a token near p = 1 moves by 1e-5 to 1e-8 in one small update,
+# probability went up (the "correct ratio"). In the paper, over training, GRPO's ratio falls below 0.5 in the top bin
+# while AR and Lopti hold it up; one small SGD step need not show that (the read-out says what it shows, and why).
+# The moves are measured between float64 forwards: a token near p = 1 moves by 1e-5 to 1e-8 in one small update,
 # below a float32 log-prob's rounding, and a token whose log-prob did not move at all is counted apart (the light bars
 # on the right axis: the unmoved share), not as moved the wrong way. A small batch makes these ratios noisy: QUICK mode
 # only checks that the machinery runs.
@@ -118,7 +122,8 @@ tables.query("scope == 'model'").pivot_table(index="label", columns="attribution
 # %%
 shift = counterfactual.counterfactual(model, batch, lr=1e-3 if env.model == "lab" else 1e-4, optimizer="sgd")
 display(shift.updates)
-plots.fig2(shift=shift.bins)
+display(plots.fig2(shift=shift.bins))
+readouts.correct_ratios(shift.bins, optimizer="sgd")
 
 # %% [markdown]
 # ## Fig. 3 during training, and why the optimizer decides it
@@ -143,4 +148,6 @@ from lopti_lab.paths import shown
 
 table, source = fig3_source()
 print("Fig. 3 table from", shown(source))
-widgets.MechanismPanel(table, model, batch)
+panel = widgets.MechanismPanel(table, model, batch)
+display(panel)
+readouts.mechanism(table, panel.parts)

@@ -7,7 +7,8 @@
 # inhabitant's role. This notebook walks through `lopti_lab.kk`: how a puzzle is built, solved, explained, put to a
 # model and scored, and checks that our puzzles are indistinguishable in form from the real K&K dataset.
 #
-# **Run time** of a full run (QUICK = False) on a CPU: 30 s (one kernel thread); offline, `HF_HUB_OFFLINE=1` skips the hub lookups.
+# **Run time** of a full run (QUICK = False) on a CPU: the last build's is in [docs/numbers.md](../docs/numbers.md). It needs no
+# network in a checkout of lopti_lab.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -34,7 +35,7 @@ import pandas as pd
 
 %matplotlib inline
 
-from lopti_lab import kk, plots
+from lopti_lab import kk, plots, readouts
 
 # %% [markdown]
 # ## A puzzle is a list of statement trees
@@ -127,25 +128,42 @@ stats = kk.dataset_stats(kk.load_split("test", range(2, 9), limit=limit))
 stats.groupby("people").mean().round(2)
 
 # %%
-plots.kk_dataset(stats)
+display(plots.kk_dataset(stats))
+readouts.kk_dataset(stats)
 
 # %% [markdown]
 # ## Compatibility with the real K&K records
 #
-# The same code reads the real dataset (Xie et al. 2024, on the Hugging Face hub as `K-and-K/knights-and-knaves`):
-# `kk.load_hf("test")` downloads it when the hub is reachable and `datasets` is installed. Our solver should then find
-# each record's unique solution and our solver trace should reproduce each record's chain of thought word for word.
-# Offline, the cell falls back to the bundled test split: the same checks then only show the code path, since those
-# puzzles came from our own generator (the project's tests check the real records).
+# The same code reads the real dataset (Xie et al. 2024, `K-and-K/knights-and-knaves` on the Hugging Face hub). A
+# checkout of lopti_lab carries its test split, 100 real records per people count, as test data
+# (`tests/fixtures/kk_reference`, under the dataset's CC BY-NC-SA 4.0 licence); this cell reads those, and asks the hub
+# only where they are not there (an installed wheel: `kk.load_hf` then needs the network and `datasets`). Three checks
+# of our code against the real records: our solver finds each record's unique solution, our solver trace reproduces
+# each record's chain of thought word for word, and our generator's puzzles (the bundled test split, which it made)
+# have the records' form, people count by people count.
 
 # %%
+from pathlib import Path
+
+import lopti_lab
+
 limit = 10 if QUICK else None  # per people count
-try:
+reference = Path(lopti_lab.__file__).resolve().parents[1] / "tests" / "fixtures" / "kk_reference"
+if reference.is_dir():
+    real = kk.load_hf("test", range(2, 9), repo=str(reference), limit=limit)
+    source = "the real K&K test records (tests/fixtures/kk_reference)"
+else:
     real, source = kk.load_hf("test", range(2, 9), limit=limit), "the hub's K&K test split"
-except (ImportError, ConnectionError) as err:  # no `datasets`, or no network (datasets raises ConnectionError)
-    print(f"kk.load_hf failed ({type(err).__name__}: {err}); using the bundled test split")
-    real, source = kk.load_split("test", range(2, 9), limit=limit), "the bundled test split"
 same_solution = sum(kk.solve(p.statements, p.n_people) == [p.solution] for p in real)
 same_cot = sum(kk.render_cot(kk.solver_trace(p.statements)[0], p.names, p.statements) == list(p.cot_repeat_steps)
                for p in real)
-print(f"{len(real)} puzzles from {source}: solver agrees on {same_solution}, chain of thought identical on {same_cot}")
+print(f"{len(real)} puzzles from {source}: our solver agrees on {same_solution}, "
+      f"our chain of thought is identical on {same_cot}")
+form = ["quiz_words", "trace_steps", "backtracks", "knight_share", "kind_leaf", "kind_or"]
+generated = kk.dataset_stats(kk.load_split("test", range(2, 9), limit=limit)).groupby("people")[form].mean()
+records = kk.dataset_stats(real).groupby("people")[form].mean()
+pd.concat({"real records": records, "our generator": generated}, axis=1).swaplevel(axis=1)[form].round(2)
+
+# %% [markdown]
+# Each quantity side by side, the real records first: a generator that drifted from the dataset's (longer quizzes,
+# another mix of statement kinds, easier searches) would show here as two columns apart.

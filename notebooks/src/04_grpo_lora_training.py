@@ -26,7 +26,7 @@
 # Every few steps the trainer also measures, per probability bin, the share of the gradient (`grad/share_bin*`) and
 # how the update moved the tokens' probabilities (`shift/correct_pos_bin*`).
 #
-# **Run time** of a full run (QUICK = False) on a CPU: 496 s (one kernel thread, built while notebook 02 ran on the second core), nearly all of it the panel's default run, which the cell below starts.
+# **Run time** of a full run (QUICK = False) on a CPU: the last build's, with its machine, is in [docs/numbers.md](../docs/numbers.md); nearly all of it is the panel's default run, which the cell below starts.
 #
 # On a CPU the panel's default is the demo's GRPO run (10 steps of 8 puzzles x 8 samples on the lab model) with test
 # evaluations at steps 5 and 10; what the demo's runs gave is in docs/demo.md.
@@ -54,7 +54,7 @@ if "google.colab" in sys.modules:  # on Colab: install lopti_lab's wheel and tur
 
 %matplotlib inline
 
-from lopti_lab import notebook, plots, runs, widgets
+from lopti_lab import notebook, plots, readouts, runs, widgets
 
 env = notebook.setup(quick=QUICK)  # notebook.setup(model="Qwen/Qwen2.5-3B-Instruct") to choose another policy
 env
@@ -101,21 +101,27 @@ if RUN_HERE:
 # ## What the run left on disk
 #
 # A run folder holds `config.json`, `metrics.jsonl` (one line per step, written as the step ends) and
-# `checkpoints/`. `runs.load_run` reads it back as a DataFrame, one row per step.
+# `checkpoints/`. `runs.load_run` reads it back as a DataFrame, one row per step. `acc/all` is the training batch's
+# accuracy (the share of the step's sampled responses that score 3, on the puzzles it trains on); `eval/*/acc_all` is
+# the test split's, sampled at the rollout temperature or greedy, at the steps the run evaluates.
 
 # %%
 if panel.result is not None:
     frame = runs.load_run(panel.result.run_dir)
-    shown = ["step", "reward/mean", "acc/all", "len/response_mean", "policy/entropy", "grad/norm", "time/step"]
-    display(frame[[c for c in shown if c in frame.columns]].round(3).tail(10))
+    shown = ["step", "reward/mean", "acc/all", "eval/sample/acc_all", "eval/greedy/acc_all", "len/response_mean",
+             "policy/entropy", "grad/norm", "time/step"]
+    table = frame[[c for c in shown if c in frame.columns]].round(3).tail(10)
+    display(table.rename(columns={"acc/all": "acc/all (training batch)"}))
 
 # %% [markdown]
-# Its learning curves (notebook 05 puts several runs side by side):
+# Its learning curves: the training batch's reward and accuracy, then the test accuracy, sampled and greedy, at the
+# evaluated steps (notebook 05 puts several runs side by side).
 
 # %%
 if panel.result is not None:
     display(plots.learning_curves(runs.compare([panel.result.run_dir]),
-                                  ["reward/mean", "acc/all", "len/response_mean", "policy/entropy"]))
+                                  ["reward/mean", "acc/all", "eval/sample/acc_all", "eval/greedy/acc_all"]))
+    display(readouts.training_run(frame))
 
 # %% [markdown]
 # The same run from a terminal:

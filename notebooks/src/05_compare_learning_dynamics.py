@@ -5,7 +5,7 @@
 # accuracy over steps, final test accuracy by people count in the paper's layout, how much of the gradient each
 # probability bin carried, and whether the high-probability tokens moved the way their advantage asked.
 #
-# **Run time** of a full run (QUICK = False) on a CPU: 565 s (one kernel thread) with no runs there, nearly all of it the demo that the next cell runs first; with runs there it skips the demo and only reads them.
+# **Run time** of a full run (QUICK = False) on a CPU with no runs there: the last build's, with its machine, is in [docs/numbers.md](../docs/numbers.md); nearly all of it is the demo that the next cell runs first. With runs there it skips the demo and only reads them.
 
 # %%
 # Setup (run first). QUICK = True makes every heavy cell take seconds (the tests run it that way).
@@ -32,10 +32,10 @@ from pathlib import Path
 
 %matplotlib inline
 
-from lopti_lab import paper, plots, plots_methods, runs, widgets
+from lopti_lab import methods, paper, plots, plots_methods, readouts, runs, widgets
 from lopti_lab.counterfactual import recorded_method_probes
 from lopti_lab.studies.config import DemoConfig
-from lopti_lab.studies.curves import last_evaluations, paired_over_steps, recorded_study, seed_bands
+from lopti_lab.studies.curves import last_evaluations, model_name, paired_over_steps, recorded_study, seed_bands
 from lopti_lab.studies.tables import paired_intervals, paired_per_seed, recorded_comparison
 from lopti_lab.studies.run import run_demo
 from lopti_lab.paths import shown
@@ -52,7 +52,7 @@ if not widgets.find_runs(root):
 print("runs under", root, ":", [p.name for p in widgets.find_runs(root)])
 
 # %%
-panel = widgets.ComparePanel(root=root)
+panel = widgets.ComparePanel(root=root)  # the training batch's reward and accuracy, then the test accuracy
 panel.show()
 panel
 
@@ -60,11 +60,17 @@ panel
 # ## Final accuracy, in the paper's layout
 #
 # Accuracy is the share of test completions that score 3 (sampled at temperature 1.0), by number of people, and its
-# mean ("avg"). Below it, the paper's own numbers for Qwen2.5-3B-Instruct and 7B-Instruct-1M (docs/paper.md §7).
+# mean ("avg"). A run made here is one seed per method: the read-out below the table sets its gaps against the spread
+# across seeds that the recorded comparison at the same settings measured (docs/demo.md). Below it, the paper's own
+# numbers for Qwen2.5-3B-Instruct and 7B-Instruct-1M (docs/paper.md §7), from other models, data and step counts.
 
 # %%
 long = runs.compare(widgets.find_runs(root))
-widgets.final_accuracy(long)
+final = widgets.final_accuracy(long)
+display(final)
+recorded, _ = recorded_comparison()
+spread = paired_intervals(paired_per_seed(recorded, ["avg"]))
+readouts.final_accuracy(final, spread[spread["model"].isin([model_name(m) for m in methods.PAPER])])
 
 # %%
 paper.KK_ACCURACY
@@ -75,13 +81,16 @@ paper.KK_ACCURACY
 # Left: each probability bin's share of the response tokens and of the gradient, averaged over the probed steps
 # (the paper's Fig. 1a vs 1d). Right: after each probed update, the share of positive-advantage tokens whose
 # probability went up, per bin (the paper's Fig. 2b, during training). GRPO's weakness, in the paper, is the top bin:
-# its correct ratio falls toward 0.5 there, while AR and Lopti keep it up.
+# its correct ratio falls toward 0.5 there, while AR and Lopti keep it up. Each figure's read-out says whether these
+# runs show it.
 
 # %%
-plots.gradient_share(long)
+display(plots.gradient_share(long))
+readouts.gradient_share(long)
 
 # %%
-plots.correct_ratio(long)
+display(plots.correct_ratio(long))
+readouts.correct_ratio_runs(long)
 
 # %% [markdown]
 # ## Beyond the paper: where each token-level method puts the update
