@@ -1,22 +1,19 @@
 """The frozen-batch counterfactual against a hand-made update, and the attribution tables."""
 
-import zlib
 
 import pytest
 import torch
+from tiny import frozen_test_batch
 
 from lopti_lab.bins import entropy_rank
 from lopti_lab.counterfactual import (
-    FrozenBatch,
     attribution_tables,
     counterfactual,
     method_probes,
 )
-from lopti_lab.kk import build_prompt, load_split
 from lopti_lab.methods import METHODS
 from lopti_lab.models import LoraSpec, load_policy
-from lopti_lab.objective import group_advantages
-from lopti_lab.rollout import response_logprobs, sample
+from lopti_lab.rollout import response_logprobs
 from lopti_lab.update import OptimizerSpec
 
 
@@ -32,14 +29,7 @@ def policy(model_dir):
 
 @pytest.fixture(scope="module")
 def batch(policy):
-    model, tok = policy
-    puzzles = load_split("train", 3, limit=2)
-    torch.manual_seed(0)
-    rollout = sample(model, tok, [build_prompt(p, "base") for p in puzzles], 4, max_new_tokens=6)
-    # a fixed spread of rewards (the random model never solves a puzzle)
-    rewards = torch.tensor([3.0 if zlib.crc32(t.encode()) % 2 else -1.0 for t in rollout.texts])
-    rewards[0], rewards[1] = 3.0, -1.0
-    return FrozenBatch(puzzles, rollout, rewards, group_advantages(rewards, 4), 1.0)
+    return frozen_test_batch(*policy, max_new_tokens=6)
 
 
 def test_counterfactual_grpo_equals_one_hand_made_sgd_step(policy, batch):

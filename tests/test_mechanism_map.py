@@ -2,17 +2,13 @@
 counts on a hand-built table, and its seed intervals and paired differences against hand-computed values."""
 
 import copy
-import zlib
 
 import pandas as pd
 import pytest
 import torch
+from tiny import frozen_test_batch
 
-from lopti_lab.counterfactual import FrozenBatch
-from lopti_lab.kk import build_prompt, load_split
 from lopti_lab.models import load_policy
-from lopti_lab.objective import group_advantages
-from lopti_lab.rollout import sample
 from lopti_lab.studies.mechanism_map import KEY, _done, map_table, measure_cell, top_bin_counts, with_reference
 
 
@@ -24,13 +20,7 @@ def policy(model_dir):
 
 @pytest.fixture(scope="module")
 def batch(policy):
-    model, tok = policy
-    puzzles = load_split("train", 3, limit=2)
-    torch.manual_seed(0)
-    rollout = sample(model, tok, [build_prompt(p, "base") for p in puzzles], 4, max_new_tokens=8)
-    rewards = torch.tensor([3.0 if zlib.crc32(t.encode()) % 2 else -1.0 for t in rollout.texts])
-    rewards[0], rewards[1], rewards[4], rewards[5] = 3.0, -1.0, 3.0, -1.0  # both groups have A > 0 and A < 0 rows
-    return FrozenBatch(puzzles, rollout, rewards, group_advantages(rewards, 4), 1.0)
+    return frozen_test_batch(*policy, max_new_tokens=8, wins=(0, 4), losses=(1, 5))  # both signs in both groups
 
 
 def naive_logp64(model, rollout) -> torch.Tensor:

@@ -113,3 +113,20 @@ def shaped_qwen2(config: dict, dtype=torch.float32, device="cpu", lora: bool = T
         targets = list(DEFAULT_LORA_TARGETS)
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, task_type="CAUSAL_LM"))
     return model
+
+
+def frozen_test_batch(model, tokenizer, max_new_tokens: int, wins=(0,), losses=(1,)):
+    """A FrozenBatch of 2 three-person training puzzles x 4 rollouts (torch seed 0) with a fixed spread of rewards
+    (a random model never solves a puzzle): 3 or -1 by each text's checksum, rows ``wins`` set to 3 and ``losses`` to
+    -1 so that the groups hold both signs of advantage."""
+    from lopti_lab.counterfactual import FrozenBatch
+    from lopti_lab.kk import build_prompt, load_split
+    from lopti_lab.objective import group_advantages
+    from lopti_lab.rollout import sample
+
+    puzzles = load_split("train", 3, limit=2)
+    torch.manual_seed(0)
+    rollout = sample(model, tokenizer, [build_prompt(p, "base") for p in puzzles], 4, max_new_tokens=max_new_tokens)
+    rewards = torch.tensor([3.0 if zlib.crc32(t.encode()) % 2 else -1.0 for t in rollout.texts])
+    rewards[list(wins)], rewards[list(losses)] = 3.0, -1.0
+    return FrozenBatch(puzzles, rollout, rewards, group_advantages(rewards, 4), 1.0)
