@@ -33,7 +33,7 @@ def _require(frame: pd.DataFrame, name: str, columns: Sequence[str]) -> None:
         raise ValueError(f"{name} lacks columns {missing}")
 
 
-def _pool_shift(cells: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+def pool_shift(cells: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
     """Pool `shift_summary` cells over everything but ``keys``, weighting by token counts: the correct ratio among
     the tokens that moved (sum of correct movers / sum of movers) and the unmoved share (1 - movers / tokens).
     Cells without an ``n_moved`` column (older runs) count every token as moved."""
@@ -200,7 +200,7 @@ def fig2(
         cells = shift[(shift["sign"] == sign) & (shift["n_tokens"] > 0)].copy()
         if "method" not in cells.columns:
             cells["method"] = ""
-        pooled = _pool_shift(cells, ["method", "bin", "label"])
+        pooled = pool_shift(cells, ["method", "bin", "label"])
         bins, labels = _bin_axis(shift)
         methods = list(dict.fromkeys(pooled["method"]))
         for i, method in enumerate(methods):
@@ -344,7 +344,7 @@ def toy_dynamics(result) -> Figure:
     ax_s.set_ylabel("share of the gradient")
     ax_s.set_title("(b) lowest (solid) vs highest (dashed) bin")
     ax_s.legend(fontsize="x-small", ncols=2)
-    pooled = _pool_shift(shift[(shift["sign"] == "pos") & (shift["n_tokens"] > 0)], ["method", "bin", "label"])
+    pooled = pool_shift(shift[(shift["sign"] == "pos") & (shift["n_tokens"] > 0)], ["method", "bin", "label"])
     for method, rows in pooled.groupby("method", sort=False):
         ax_c.plot(rows["bin"], rows["correct_ratio"], marker="o", label=method)
     labels = shift[["bin", "label"]].drop_duplicates().sort_values("bin")
@@ -549,11 +549,11 @@ def correct_ratio(long: pd.DataFrame, sign: str = "pos") -> Figure:
     ax_bins, ax_steps = fig.subplots(1, 2)
     top = wide["bin"].max()
     methods = _methods(wide)
-    pooled = _pool_shift(wide, ["method", "bin"])
+    pooled = pool_shift(wide, ["method", "bin"])
     for i, method in enumerate(methods):
         rows = pooled[pooled["method"] == method]
         ax_bins.plot(rows["bin"], rows["correct_ratio"], marker="o", color=f"C{i}", label=method)
-        over = _pool_shift(wide[(wide["method"] == method) & (wide["bin"] == top)], ["step"])
+        over = pool_shift(wide[(wide["method"] == method) & (wide["bin"] == top)], ["step"])
         ax_steps.plot(over["step"], over["correct_ratio"], marker=".", color=f"C{i}", label=method)
     bins = sorted(wide["bin"].unique())
     _unmoved_bars(ax_bins, pooled, {b: b for b in bins}, methods)

@@ -23,7 +23,7 @@ import pandas as pd
 
 from lopti_lab.methods import ORDER
 from lopti_lab.paper import FIG3_GRPO
-from lopti_lab.plots import _pool_shift
+from lopti_lab.plots import pool_shift
 from lopti_lab.studies.curves import model_name
 from lopti_lab.theory import grad_norm_bounds
 
@@ -102,7 +102,7 @@ def toy(result) -> Readout:
     reward = _ordered(result.steps[result.steps["step"] == last_step].set_index("method")["reward"])
     start = result.steps[result.steps["step"] == result.steps["step"].min()]["reward"].mean()
     pos = result.shift[(result.shift["sign"] == "pos") & (result.shift["n_tokens"] > 0)]
-    pooled = _pool_shift(pos, ["method", "bin"])
+    pooled = pool_shift(pos, ["method", "bin"])
     top = _ordered(pooled[pooled["bin"] == pooled["bin"].max()].set_index("method")["correct_ratio"])
     sentences = [
         f"At the first step the lowest probability bin holds {_pct(grpo_first['token_share'])} of the tokens and "
@@ -176,9 +176,9 @@ def correct_ratios(shift: pd.DataFrame, *, optimizer: str | None = None, sign: s
     cells = shift[(shift["sign"] == sign) & (shift["n_tokens"] > 0)].copy()
     if "method" not in cells.columns:
         cells["method"] = "update"
-    pooled = _pool_shift(cells, ["method", "bin"])
+    pooled = pool_shift(cells, ["method", "bin"])
     top = _ordered(pooled[pooled["bin"] == pooled["bin"].max()].set_index("method")["correct_ratio"])
-    overall = _pool_shift(cells, ["method"]).set_index("method")["correct_ratio"]
+    overall = pool_shift(cells, ["method"]).set_index("method")["correct_ratio"]
     sentences = [
         "In the top probability bin the share of A > 0 tokens that went up is "
         + ", ".join(f"{v:.3f} ({m})" for m, v in top.items())
@@ -320,7 +320,7 @@ def correct_ratio_runs(long: pd.DataFrame, sign: str = "pos") -> Readout:
     wide = wide.rename(columns={"n": "n_tokens", "correct": "correct_ratio"})
     if "unmoved" in wide.columns:
         wide["n_moved"] = wide["n_tokens"] * (1 - wide["unmoved"].fillna(0))
-    pooled = _pool_shift(wide, ["method", "bin"])
+    pooled = pool_shift(wide, ["method", "bin"])
     top = _ordered(pooled[pooled["bin"] == pooled["bin"].max()].set_index("method")["correct_ratio"])
     sentences = [
         "Pooled over the probed steps, the top bin's A > 0 tokens went up in "

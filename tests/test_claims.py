@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from scripts_loader import load_script
 
 from lopti_lab.paths import data_dir
 from lopti_lab.studies.curves import GRPO_ROW, WARM, last_evaluations, late_gain, paired_over_steps, seed_bands
@@ -24,6 +25,7 @@ from lopti_lab.studies.stats import holm, paired_t
 from lopti_lab.studies.tables import paired_intervals, paired_per_seed, paired_vs_grpo, spread_over_seeds
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+agrees = load_script("number_table").agrees  # a printed number against its value, at the precision printed
 FIXES = ("+ GRPO + AR", "+ GRPO + Lopti", "+ GRPO + AR + Lopti")
 LAB, DEMO, HARD, MECH = (
     "The lab model",
@@ -74,14 +76,6 @@ def quoted(title: str, claim: str) -> tuple[str, ...]:
     match = re.search(PATTERNS[title][claim], section(title))
     assert match, f"README.md, '{title}': no sentence matches {PATTERNS[title][claim]!r} (reworded? update PATTERNS)"
     return match.groups()
-
-
-def agrees(printed: str, value: float) -> bool:
-    """Whether ``value`` rounds to ``printed`` at the decimals printed (a half-way value may round either way).
-
-    agrees("0.054", 0.05444) -> True; agrees("0.055", 0.05444) -> False; agrees("26", 26.67) -> False"""
-    decimals = len(printed.partition(".")[2])
-    return abs(float(printed) - value) <= 0.5 * 10**-decimals + 1e-9
 
 
 def assert_quotes(title: str, claim: str, values) -> None:
@@ -210,12 +204,7 @@ def test_every_decimal_in_a_checked_section_is_checked(title):
 
 def test_the_first_pictures_caption_is_its_figures_record():
     """The README's first picture (scripts/readme_figure.py): its caption's shares are the hard lab's recorded ones."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("readme_figure", README.parent / "scripts" / "readme_figure.py")
-    figure = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(figure)
-    table = figure.shares("GRPO")
+    table = load_script("readme_figure").shares("GRPO")
     text = " ".join(README.read_text().split())
     caption = (
         r"p < 0\.25 are (\d+)% of the response and carry (\d+)% of the gradient; the (\d+)% at p >= 0\.75 carry (\d+)%"

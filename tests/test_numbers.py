@@ -3,26 +3,18 @@ every page agrees with it, the README marks every run time it prints, and docs/n
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from scripts_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("number_table", ROOT / "scripts" / "number_table.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["number_table"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-nt = _load()
+nt = load_script("number_table")
 DURATION = re.compile(r"\b\d+(?:\.\d+)?\s*(?:s|min|minutes|hours?)\b(?!\w)")
 """A run time as the README prints one ("95 s", "12.6 minutes")."""
 
