@@ -10,6 +10,7 @@ the paper predicts something the numbers do not show, the readout says so, and w
     fig1(tokens, grads)               Fig. 1: which probability bin carries the update (selective_sweep)
     correct_ratios(shift, ...)        Fig. 2b: did the top bin's A > 0 tokens go up, per method
     mechanism(table, parts, ...)      Fig. 3 during training, and the live decomposition of one optimizer's step
+    mechanism_map(table)              where GRPO's top bin falls below one half, and what the fixes change there
     kk_dataset(stats)                 how the puzzles grow with the people count
     training_run(frame)               one training run: reward, training-batch accuracy, test accuracy
     final_accuracy(table, intervals)  one seed's final accuracies against the recorded spread across seeds
@@ -218,6 +219,50 @@ def mechanism(table: pd.DataFrame, parts: pd.DataFrame | None = None, *, precisi
                 f"when only the other bins are; {part['from_rest']:.0%} of the all-token move lies along the other "
                 f"bins' move (additivity {part['additivity']:.2g})."
             )
+    return _say(*sentences)
+
+
+def _side(diffs: pd.DataFrame) -> str:
+    """How many paired differences from GRPO lie above zero, below it, or include it (95% interval, uncorrected)."""
+    above = int((diffs["diff_mean"] - diffs["diff_ci95"] > 0).sum())
+    below = int((diffs["diff_mean"] + diffs["diff_ci95"] < 0).sum())
+    return f"above zero in {above}, below in {below}, level in {len(diffs) - above - below}"
+
+
+def mechanism_map(table: pd.DataFrame) -> Readout:
+    """The mechanism map (``studies.mechanism_map.map_table``): GRPO's top-bin correct ratio across the lab's learning
+    rates per optimizer, the cells where it falls below one half, and the fixes' paired differences from GRPO there.
+    A cell measured once but listed on several axes (the lab model at one puzzle per count) is counted once."""
+    cells = table.drop_duplicates(["start", "optimizer", "lr", "puzzles", "method"])
+    grpo = cells[cells["method"] == "GRPO"]
+    lab = grpo[(grpo["start"] == "lab") & (grpo["puzzles"] == grpo["puzzles"].min())]
+    sentences = []
+    for optimizer, rows in lab.groupby("optimizer", sort=False):
+        held = rows[rows["mean"] >= 0.5]
+        if len(held):
+            sentences.append(
+                f"On the lab model under {optimizer}, GRPO's top-bin ratio stays at {held['mean'].min():.2f}-"
+                f"{held['mean'].max():.2f} at lr " + ", ".join(f"{lr:g}" for lr in sorted(held["lr"])) + "."
+            )
+    low = grpo[grpo["mean"] < 0.5]
+    if not len(low):
+        return _say(*sentences, "GRPO's mean stays at or above one half in every cell of the map.")
+    parts = []
+    for solving, group in ((True, low[low["solved"] > 0]), (False, low[low["solved"] == 0])):
+        if len(group):
+            how = ", ".join(f"{o} at lr {', '.join(f'{lr:g}' for lr in sorted(set(g['lr'])))}"
+                            for o, g in group.groupby("optimizer", sort=False))  # fmt: skip
+            whose = "starts that solve some of their puzzles" if solving else "starts that solve none (" + ", ".join(
+                sorted(set(group["start"]))) + ")"  # fmt: skip
+            parts.append(f"{len(group)} from {whose}, {how} ({group['mean'].min():.2f}-{group['mean'].max():.2f})")
+    sentences.append(f"It falls below one half in {len(low)} of {len(grpo)} cells: " + "; ".join(parts) + ".")
+    key = ["start", "optimizer", "lr", "puzzles"]
+    there = cells.merge(low[key], on=key)
+    by_fix = {m: there[there["method"] == m] for m in ("GRPO+AR", "GRPO+Lopti")}
+    sides = [f"{m}'s is {_side(d)} (of {len(d)})" for m, d in by_fix.items() if len(d)]
+    if sides:
+        sentences.append("In those cells, the paired difference from GRPO (95% interval over seeds, uncorrected): "
+                         + "; ".join(sides) + ".")  # fmt: skip
     return _say(*sentences)
 
 

@@ -75,3 +75,36 @@ def test_correct_ratio_over_runs_says_when_the_fixes_do_not_hold_the_top_bin_up(
     text = readouts.correct_ratio_runs(long)
     assert "0.48 (GRPO), 0.49 (GRPO+Lopti)" in text and "within 0.01 of each other" in text
     assert "stays at" not in text  # GRPO is below 0.5, as in the paper
+
+
+def _map_cell(start, optimizer, lr, method, mean, diff=(float("nan"), float("nan")), solved=0.5, puzzles=1):
+    return {"axis": "lr", "start": start, "optimizer": optimizer, "lr": lr, "puzzles": puzzles, "method": method,
+            "n_seeds": 4, "mean": mean, "ci95": 0.05, "solved": solved,
+            "diff_mean": diff[0], "diff_ci95": diff[1]}  # fmt: skip
+
+
+def test_mechanism_map_names_the_cells_below_one_half_and_which_side_the_fixes_fall():
+    rows = [
+        _map_cell("lab", "sgd", 1e-3, "GRPO", 0.53),
+        _map_cell("lab", "sgd", 1e-2, "GRPO", 0.55),
+        _map_cell("lab", "adamw", 1e-4, "GRPO", 0.51),
+        _map_cell("lab", "adamw", 1e-3, "GRPO", 0.37),
+        _map_cell("lab", "adamw", 1e-3, "GRPO+AR", 0.40, diff=(0.03, 0.01)),  # above zero
+        _map_cell("lab", "adamw", 1e-3, "GRPO+Lopti", 0.36, diff=(-0.01, 0.02)),  # level
+        _map_cell("w128", "sgd", 1e-3, "GRPO", 0.30, solved=0.0),
+        _map_cell("w128", "sgd", 1e-3, "GRPO+AR", 0.28, diff=(-0.02, 0.01), solved=0.0),  # below zero
+        _map_cell("w128", "sgd", 1e-3, "GRPO+Lopti", 0.30, diff=(0.0, 0.0), solved=0.0),  # level
+    ]
+    table = pd.DataFrame(rows)
+    # the lab model's adamw 1e-3 cell listed again on another axis is counted once
+    table = pd.concat([table, table.iloc[[3, 4, 5]].assign(axis="batch")], ignore_index=True)
+    text = readouts.mechanism_map(table)
+    assert "under sgd, GRPO's top-bin ratio stays at 0.53-0.55 at lr 0.001, 0.01." in text
+    assert "under adamw, GRPO's top-bin ratio stays at 0.51-0.51 at lr 0.0001." in text
+    assert "below one half in 2 of 5 cells" in text
+    assert "1 from starts that solve some of their puzzles, adamw at lr 0.001 (0.37-0.37)" in text
+    assert "1 from starts that solve none (w128), sgd at lr 0.001 (0.30-0.30)" in text
+    assert "GRPO+AR's is above zero in 1, below in 1, level in 0 (of 2)" in text
+    assert "GRPO+Lopti's is above zero in 0, below in 0, level in 2 (of 2)" in text
+    held = readouts.mechanism_map(pd.DataFrame(rows[:3]))
+    assert "stays at or above one half in every cell" in held

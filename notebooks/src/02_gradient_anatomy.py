@@ -151,3 +151,24 @@ print("Fig. 3 table from", shown(source))
 panel = widgets.MechanismPanel(table, model, batch)
 display(panel)
 readouts.mechanism(table, panel.parts)
+
+# %% [markdown]
+# ## Where GRPO's top bin does fall below one half: the mechanism map
+#
+# The paper's premise is that GRPO pushes the top bin's A > 0 tokens the wrong way (correct ratio below 0.5 for
+# p > 0.75). The mechanism map looks for where that happens: one frozen batch per seed, updated once by each method
+# from the same weights, over the learning rate (SGD and AdamW), the batch size, the warm start and the model width,
+# the correct ratio counted in float64 among the top bin's A > 0 tokens. The table is the map recorded with lopti_lab
+# (`data/mechanism/map_summary.csv`; docs/mechanism.md gives the commands and what each axis holds). It is
+# exploratory: the later axes were chosen after the learning-rate axis had been seen. Filled markers are SGD, open
+# ones AdamW; the grey band is the paper's AR and Lopti (0.52-0.53), the line is one half.
+
+# %%
+import pandas as pd
+
+from lopti_lab.paths import data_dir
+from lopti_lab.studies.mechanism_map import plot_map
+
+map_table = pd.read_csv(data_dir() / "mechanism" / "map_summary.csv")
+display(plot_map(map_table))
+readouts.mechanism_map(map_table)
