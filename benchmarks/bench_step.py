@@ -25,8 +25,13 @@ rate measured in the same run at the same thread count (4096^3, and the model's 
 "floor" counts every row's prompt (the step as HF runs it, the issue's accounting); "lean floor" counts the work
 the lean step must still do: each prompt once per group in prefill and update, no log-prob pass.
 
+Generation is also read against its roofline (``decode_roofline``): a decode step cannot beat one read of the
+weights nor one read of its live keys and values at the streaming read rate measured in the same run (``read_rate``),
+so at the lab model's sizes the FLOP floor alone understates what a decode step must cost.
+
 ``--probe`` runs every measured step twice on each path, plain and with the gradient probe (``probe=True``, as
-``probe_every`` steps do), from the same weights and seed, and prints the probe step's time over the plain one's.
+``probe_every`` steps do), from the same weights and seed, and prints the probe step's time over the plain one's,
+and where its extra time goes (the update with the probe's hooks, the float64 shift forwards).
 
 ``--eval`` times `evaluate.evaluate` of ``--eval-size`` test puzzles per people count of the study (greedy and
 ``--eval-samples`` samples per puzzle at T = 1.0, the study's max_new_tokens) on each path and prints each accuracy
@@ -58,6 +63,8 @@ from lopti_lab.models import load_policy
 from lopti_lab.studies.config import DemoConfig, HardLabConfig
 
 PHASES = ("generate", "logprob", "update")
+NAMES = {"generate": "sample", "logprob": "add_logprobs", "update": "update_policy", "shift": "shift_logprobs"}
+"""The trainer function each timed phase wraps (``shift``: the probe's float64 log-probs, before and after)."""
 
 
 def gemm_rate(m: int, k: int, n: int, seconds: float = 1.0) -> tuple[float, float]:
@@ -72,27 +79,68 @@ def gemm_rate(m: int, k: int, n: int, seconds: float = 1.0) -> tuple[float, floa
     return flop * reps / (time.perf_counter() - wall) / 1e9, flop * reps / (time.process_time() - cpu) / 1e9
 
 
+def read_rate(mib: int = 256, reps: int = 3) -> tuple[float, float]:
+    """Streaming read GB per wall second and per CPU second: the best of ``reps`` sums over a float32 buffer of
+    ``mib`` MiB (bigger than the L2 caches, as a decode step's keys and values are)."""
+    buffer = torch.ones(mib * 2**20 // 4)
+    buffer.sum()
+    best = (0.0, 0.0)
+    for _ in range(reps):
+        wall, cpu = time.perf_counter(), time.process_time()
+        buffer.sum()
+        wall, cpu = time.perf_counter() - wall, max(time.process_time() - cpu, 1e-9)
+        best = max(best, (buffer.numel() * 4 / wall / 1e9, buffer.numel() * 4 / cpu / 1e9))
+    return best
+
+
 @dataclass
 class Shape:
-    """What a forward's FLOP depend on: per-token linear FLOP, attention FLOP per key, lm_head FLOP per row."""
+    """What a forward's FLOP depend on: per-token linear FLOP, attention FLOP per key, lm_head FLOP per row; and what
+    a decode step must read: the weights once, and ``kv`` bytes per cached key position (keys and values, every
+    layer) of each live row's response and each live prompt."""
 
     linear: float
     attention: float
     head: float
+    weights: float = 0.0
+    kv: float = 0.0
 
     @classmethod
-    def of(cls, config) -> Shape:
+    def of(cls, config, model=None) -> Shape:
         E, H, K = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
         D = getattr(config, "head_dim", None) or E // H
         per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * config.intermediate_size
+        weights = 0.0 if model is None else float(sum(p.numel() * p.element_size() for p in model.parameters()))
         return cls(
-            2 * per_layer * config.num_hidden_layers, 4 * H * D * config.num_hidden_layers, 2 * E * config.vocab_size
-        )
+            2 * per_layer * config.num_hidden_layers, 4 * H * D * config.num_hidden_layers, 2 * E * config.vocab_size,
+            weights, 2.0 * K * D * config.num_hidden_layers * 4,
+        )  # fmt: skip
 
     def forward(self, prefix: int, new: int, head_rows: int) -> float:
         """FLOP of ``new`` tokens after ``prefix`` context tokens (causal), with logits at ``head_rows`` positions."""
         keys = new * prefix + new * (new + 1) / 2  # token i sees prefix + i + 1 keys
         return new * self.linear + keys * self.attention + head_rows * self.head
+
+
+def decode_roofline(shape: Shape, prompt_lens, response_lens, group: int, flop_rate: float, read: float) -> dict:
+    """The lean decode's floor step by step. Step s feeds response token s of every row longer than s + 1 tokens, in
+    two parts that run one after the other: the projections and the head (their FLOP over ``flop_rate``, or the
+    weights read once over ``read``, whichever is longer) and the attention (its FLOP, or the bytes of each live
+    row's s + 1 response keys and values and of each live prompt's, read once for its group's rows). The roofline
+    sums the parts' times over the steps; ``flop`` and ``bytes`` are all FLOP and all bytes alone, in seconds."""
+    rows = list(zip(prompt_lens, response_lens, strict=True))
+    out = {"flop": 0.0, "bytes": 0.0, "roofline": 0.0, "GB": 0.0}
+    for s in range(max(response_lens) - 1):
+        live = [i for i, (_, n) in enumerate(rows) if n - 1 > s]
+        prompts = {i // group for i in live}
+        dense = len(live) * (shape.linear + shape.head)  # FLOP
+        attention = sum(shape.attention * (rows[i][0] + s + 1) for i in live)
+        cached = shape.kv * (len(live) * (s + 1) + sum(prompt_lens[g * group] for g in prompts))  # bytes
+        out["flop"] += (dense + attention) / flop_rate
+        out["bytes"] += (shape.weights + cached) / read
+        out["roofline"] += max(dense / flop_rate, shape.weights / read) + max(attention / flop_rate, cached / read)
+        out["GB"] += (shape.weights + cached) / 1e9
+    return out
 
 
 def phase_flops(shape: Shape, prompt_lens: list[int], response_lens: list[int], group: int, passes: int) -> dict:
@@ -136,13 +184,16 @@ def wide_model(tokenizer) -> torch.nn.Module:
 def run_step(model, tokenizer, optimizer, puzzles, cfg, probe: bool = False) -> dict:
     """One train_step; CPU and wall seconds of each phase and of the step, and the rollout's token counts."""
     times, seen = {}, {}
-    originals = {"generate": trainer.sample, "logprob": trainer.add_logprobs, "update": trainer.update_policy}
+    originals = {"generate": trainer.sample, "logprob": trainer.add_logprobs, "update": trainer.update_policy,
+                 "shift": getattr(trainer, "shift_logprobs", None)}  # fmt: skip
+    originals = {k: f for k, f in originals.items() if f is not None}  # older checkouts: no float64 shift
 
     def timed(phase, fn):
         def run(*args, **kwargs):
             wall, cpu = time.perf_counter(), time.process_time()
             out = fn(*args, **kwargs)
-            times[phase] = (time.process_time() - cpu, time.perf_counter() - wall)
+            before = times.get(phase, (0.0, 0.0))  # the probe's float64 shift runs twice a step: summed
+            times[phase] = (before[0] + time.process_time() - cpu, before[1] + time.perf_counter() - wall)
             if phase == "generate":
                 seen["rollout"] = out
             return out
@@ -150,12 +201,14 @@ def run_step(model, tokenizer, optimizer, puzzles, cfg, probe: bool = False) -> 
         return run
 
     try:
-        trainer.sample, trainer.add_logprobs, trainer.update_policy = (timed(k, f) for k, f in originals.items())
+        for name, fn in originals.items():
+            setattr(trainer, NAMES[name], timed(name, fn))
         wall, cpu = time.perf_counter(), time.process_time()
         trainer.train_step(model, tokenizer, optimizer, puzzles, cfg, probe=probe)
         times["step"] = (time.process_time() - cpu, time.perf_counter() - wall)
     finally:
-        trainer.sample, trainer.add_logprobs, trainer.update_policy = originals.values()
+        for name, fn in originals.items():
+            setattr(trainer, NAMES[name], fn)
     rollout = seen["rollout"]
     times["prompt_lens"] = rollout.prompt_mask.sum(1).tolist()
     times["response_lens"] = [int(n) for n in rollout.lengths.tolist()]
@@ -212,7 +265,7 @@ def main() -> None:
     base = lab if args.model == "lab" else wide_model(tokenizer)
     cfg = study_config(args.study)
     puzzles = load_split("train", cfg.train_people)
-    shape = Shape.of(base.config)
+    shape = Shape.of(base.config, base)
     n_params = sum(p.numel() for p in base.parameters())
     passes = cfg.ppo_epochs  # GRPO: one stage
     print(f"model {full.model if args.model == 'lab' else 'wide'}: {n_params / 1e6:.2f}M parameters, hidden "
@@ -228,10 +281,12 @@ def main() -> None:
             f"{9600}x{E}x{I}": gemm_rate(9600, E, I),
             f"64x{E}x{I}": gemm_rate(64, E, I),
         }
+        reads = {mib: read_rate(mib) for mib in (64, 256)}  # GB/s, wall and per CPU second
         models = {path: copy.deepcopy(base) for path in args.paths}
         optimizers = {p: torch.optim.AdamW(m.parameters(), lr=cfg.lr) for p, m in models.items()}
         results: dict[str, list[dict]] = {path: [] for path in args.paths}
         probed: dict[str, list[float]] = {path: [] for path in args.paths}  # probe step wall / plain step wall
+        parts: dict[str, list[tuple]] = {path: [] for path in args.paths}  # CPU s: update, probed update, shift, step
         for step in range(args.steps + 1):
             batch = puzzles[step * cfg.prompts_per_step : (step + 1) * cfg.prompts_per_step]
             for path, model in models.items():
@@ -248,6 +303,8 @@ def main() -> None:
                     results[path].append(out)
                     if args.probe:
                         probed[path].append(with_probe["step"][1] / out["step"][1])
+                        parts[path].append((out["update"][0], with_probe["update"][0],
+                                            with_probe.get("shift", (0.0,))[0], out["step"][0]))  # fmt: skip
         log_ratio = None
         if "lean" in models:  # the first update's ratio on the lean path, on a fresh rollout of the trained model
             torch.manual_seed(0)
@@ -260,10 +317,14 @@ def main() -> None:
             log_ratio = ratio_check(models["lean"], rollout, cfg)
         rates["4096^3 (after)"] = gemm_rate(4096, 4096, 4096)
         report(threads, rates, results, shape, cfg, passes, log_ratio)
+        roofline_report(rates, reads, results, shape, cfg)
         for path, ratios in probed.items():
             if ratios:
                 print(f"  {path} probe step / plain step (wall): median {statistics.median(ratios):.2f}x, range "
                       f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} steps")  # fmt: skip
+                plain, probed_update, shift, step = (statistics.median(p[i] for p in parts[path]) for i in range(4))
+                print(f"    where it goes (CPU s, medians): update {plain:.2f} plain, {probed_update:.2f} with the "
+                      f"probe's hooks; float64 shift forwards {shift:.2f}; plain step {step:.2f}")  # fmt: skip
 
 
 def report(threads, rates, results, shape, cfg, passes, log_ratio) -> None:
@@ -311,6 +372,30 @@ def report(threads, rates, results, shape, cfg, passes, log_ratio) -> None:
         print(f"  first update's ratio on the lean path: max |log pi_update - log pi_old(decode)| = {log_ratio:.2e}")
 
 
+def roofline_report(rates, reads, results, shape, cfg) -> None:
+    """Per path, the generate phase in CPU seconds against its roofline: the lean prefill's FLOP floor plus the
+    decode's step-by-step roofline (``decode_roofline``) at the best read rate and the mean 4096^3 rate per CPU
+    second measured in this run (medians over the measured steps)."""
+    flop_rate = statistics.mean(rates[k][1] for k in ("4096^3", "4096^3 (after)")) * 1e9
+    read = max(r[1] for r in reads.values()) * 1e9
+    print("  read GB/s per CPU second: " + ", ".join(f"{m} MiB {r[1]:.1f}" for m, r in reads.items())
+          + f"; decode bytes per step: weights {shape.weights / 1e6:.1f} MB + {shape.kv / 1e3:.1f} kB per cached "
+          f"position")  # fmt: skip
+    for path, steps in results.items():
+        parts = []
+        for r in steps:
+            roof = decode_roofline(shape, r["prompt_lens"], r["response_lens"], cfg.group_size, flop_rate, read)
+            prefill = phase_flops(shape, r["prompt_lens"], r["response_lens"], cfg.group_size, 1)["prefill"][1]
+            parts.append((r["generate"][0], prefill / flop_rate, roof))
+        cpu, prefill = statistics.median(p[0] for p in parts), statistics.median(p[1] for p in parts)
+        roof = {k: statistics.median(p[2][k] for p in parts) for k in parts[0][2]}
+        floor = prefill + roof["roofline"]
+        print(f"  {path} generate: {cpu:.2f} CPU s against its roofline {floor:.2f} s ({cpu / floor:.2f}x); against "
+              f"the FLOP floor {prefill + roof['flop']:.2f} s ({cpu / (prefill + roof['flop']):.2f}x). Decode: FLOP "
+              f"{roof['flop']:.2f} s, bytes {roof['bytes']:.2f} s ({roof['GB']:.1f} GB), roofline "
+              f"{roof['roofline']:.2f} s")  # fmt: skip
+
+
 def bench_eval(threads: int, args) -> None:
     """The study's test evaluation on each path: wall and CPU seconds, and every accuracy with its SE."""
     from lopti_lab.evaluate import evaluate
@@ -335,18 +420,24 @@ def bench_eval(threads: int, args) -> None:
         print(f"  {path:4s}: {seconds[path][0]:6.1f} s wall, {seconds[path][1]:6.1f} s CPU")
     rates = [(a + b) / 2 for a, b in zip(rate, gemm_rate(4096, 4096, 4096), strict=True)]  # wall, CPU GFLOP/s
     prompt_len = sum(len(tokenizer(build_prompt(p, train.prompt_style, tokenizer)).input_ids) for p in test) / len(test)
-    shape = Shape.of(model.config)
+    shape = Shape.of(model.config, model)
+    read = max(read_rate(mib)[1] for mib in (64, 256)) * 1e9  # GB per CPU second
     for path in args.paths:  # the lean floor: each prompt once, every response token but the last, at mean lengths
-        flop = 0.0
+        flop, roof = 0.0, 0.0
         for mode, group in (("greedy", 1), ("sample", samples)):
-            length = metrics[path][f"eval/{mode}/len_mean"]
+            length = round(metrics[path][f"eval/{mode}/len_mean"])
             flop += len(test) * (
                 shape.forward(0, prompt_len, 1) + group * shape.forward(prompt_len, length - 1, length - 1)
             )
+            rows = len(test) * group  # the roofline as if every row had the mean lengths, all in one generate call
+            roof += len(test) * shape.forward(0, prompt_len, 1) / (rates[1] * 1e9)
+            roof += decode_roofline(shape, [round(prompt_len)] * rows, [length] * rows, group, rates[1] * 1e9,
+                                    read)["roofline"]  # fmt: skip
         floor = [flop / 1e9 / r for r in rates]
         print(f"  {path}: {flop / 1e9:.1f} GFLOP at mean lengths (prompt {prompt_len:.1f}); floor {floor[0]:.2f} s "
               f"wall, {floor[1]:.2f} s CPU (4096^3: {rates[0]:.0f} / {rates[1]:.0f} GFLOP/s); x floor "
-              f"{seconds[path][0] / floor[0]:.2f} wall, {seconds[path][1] / floor[1]:.2f} CPU")  # fmt: skip
+              f"{seconds[path][0] / floor[0]:.2f} wall, {seconds[path][1] / floor[1]:.2f} CPU; roofline at "
+              f"{read / 1e9:.1f} GB/s {roof:.2f} s CPU, x roofline {seconds[path][1] / roof:.2f}")  # fmt: skip
     for key in sorted(k for k in metrics[args.paths[0]] if "/acc_" in k and not k.endswith("_se")):
         cells = [f"{p} {metrics[p][key]:.3f} ± {metrics[p][key + '_se']:.3f}" for p in args.paths]
         print(f"  {key:28s} " + "   ".join(cells))
