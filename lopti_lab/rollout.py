@@ -153,21 +153,23 @@ def response_logprobs(
 
     On the lean path (``use_lean``) rows with the same prompt (a GRPO group) share one forward of it
     (``fast.forward.shared_prompt_logits``): the same function, (G - 1) / G of the prompt's work saved. A
-    ``before_forward`` hook always gets HF's forward: it is called with the kept response length t, and the
-    forward's rows are then [prompt | first t response columns] (a gradient probe's ``set_tokens`` goes there).
+    ``before_forward`` hook is called with the kept response length t before the forward, whose rows are then
+    [prompt | first t response columns] (a gradient probe's ``set_tokens`` goes there); on the lean path that
+    forward computes each row's last prompt position in the row and announces its blocks of positions
+    (``lean.forward.SEGMENT``), which is what the probe splits by.
 
     input_ids, attention_mask: (B, P + T); response_mask: (B, T). Returns logp (B, T) and entropy (B, T) or None,
     zero on padding.
     """
     total_t = response_mask.shape[1]
     ids, mask, n_prompt, t = kept_columns(input_ids, attention_mask, response_mask)  # (B, L') each
-    if before_forward is None and use_lean(model, fast_path):
+    if before_forward is not None:
+        before_forward(t)
+    if use_lean(model, fast_path):
         lengths = response_mask.sum(1).long()  # (B,)
-        logits = shared_prompt_forward(model, ids, mask, n_prompt, lengths)  # (B, t, V)
+        logits = shared_prompt_forward(model, ids, mask, n_prompt, lengths, own_last=before_forward is not None)
         logp, entropy = token_logprobs(logits, ids[:, -t:], temperature, with_entropy)  # (B, t)
     else:
-        if before_forward is not None:
-            before_forward(t)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=t + 1, use_cache=False)
         # logits at position L' - t - 1 + j predict response token j; the last position predicts nothing (its row is
@@ -196,14 +198,17 @@ def kept_columns(input_ids: torch.Tensor, attention_mask: torch.Tensor, response
     return input_ids[:, start : n_prompt + t], attention_mask[:, start : n_prompt + t], n_prompt - start, t
 
 
-def shared_prompt_forward(model, ids: torch.Tensor, mask: torch.Tensor, n_prompt: int, lengths) -> torch.Tensor:
+def shared_prompt_forward(
+    model, ids: torch.Tensor, mask: torch.Tensor, n_prompt: int, lengths, own_last: bool = False
+) -> torch.Tensor:
     """Logits (B, t, V) predicting the response columns of ids (B, n_prompt + t), each distinct prompt (its ids and
-    padding) computed once; lengths (B,): the real response tokens of each row."""
+    padding) computed once; lengths (B,): the real response tokens of each row; ``own_last``: as
+    ``shared_prompt_logits``."""
     prompt_ids, prompt_mask = ids[:, :n_prompt], mask[:, :n_prompt]  # (B, P)
     keys = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # (B, 2P)
     distinct, row_prompt = torch.unique(keys, dim=0, return_inverse=True)  # (n, 2P), (B,)
     prompt_ids, prompt_mask = distinct[:, :n_prompt], distinct[:, n_prompt:]
-    return shared_prompt_logits(model, prompt_ids, prompt_mask, row_prompt, ids[:, n_prompt:], lengths)
+    return shared_prompt_logits(model, prompt_ids, prompt_mask, row_prompt, ids[:, n_prompt:], lengths, own_last)
 
 
 def add_logprobs(

@@ -15,12 +15,16 @@ Shape legend: n prompts, B rows (each row answers one prompt; a prompt's rows ar
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, apply_rotary_pos_emb, repeat_kv
 
 __all__ = [
+    "SEGMENT",
     "attend_one",
     "causal_lm",
     "layer_input",
@@ -29,6 +33,21 @@ __all__ = [
     "prefill",
     "shared_prompt_logits",
 ]
+
+SEGMENT: ContextVar[tuple | None] = ContextVar("lopti_lab_lean_segment", default=None)
+"""Which positions the module calls running now compute, for a hook that splits a weight's gradient by position
+(``probes.GradientProbe``), set by ``shared_prompt_logits(..., own_last=True)``: None outside it (a plain (B, L)
+forward); ("context",) for the prompts' calls, whose positions predict no response token; ("rows", rows) for a
+(b, t) block of the batch's rows ``rows`` (b,), whose position j predicts response token j."""
+
+
+@contextmanager
+def _segment(value: tuple | None):
+    token = SEGMENT.set(value)
+    try:
+        yield
+    finally:
+        SEGMENT.reset(token)
 
 
 def causal_lm(model: torch.nn.Module) -> Qwen2ForCausalLM:
@@ -131,6 +150,7 @@ def shared_prompt_logits(
     row_prompt: torch.Tensor,
     response_ids: torch.Tensor,
     lengths: torch.Tensor | None = None,
+    own_last: bool = False,
 ) -> torch.Tensor:
     """Logits predicting each response token, with every prompt's forward computed once for all its rows.
 
@@ -143,20 +163,31 @@ def shared_prompt_logits(
     gradients through the shared prompt, as the B forwards would. Saves (G - 1) / G of the prompt's work. The
     responses run in up to MAX_BUCKETS groups of similar length (``length_buckets``), each only as long as its
     longest row, so short responses do not pay for the longest one's padding.
+
+    ``own_last``: each row computes its prompt's last position itself (the one predicting response token 0), so every
+    shared position predicts no response token, and the calls announce their positions (``SEGMENT``): what a
+    gradient split by position needs (the shared positions' terms add up over the rows exactly). One more position
+    per row than without.
     """
     lm = causal_lm(model).model
-    n_resp = response_ids.shape[1]
+    n_resp, cut = response_ids.shape[1], int(own_last)
     if lengths is None:
         lengths = torch.full((len(row_prompt),), n_resp, device=response_ids.device)
-    x_prompt = lm.embed_tokens(prompt_ids)  # (n, P, E)
-    prompt_geometry = (*lm.rotary_emb(x_prompt, prompt_positions(prompt_mask)), prompt_allowed(prompt_mask))
+    shared_ids, shared_mask = prompt_ids[:, : prompt_ids.shape[1] - cut], prompt_mask[:, : prompt_mask.shape[1] - cut]
+    with _segment(("context",) if own_last else None):
+        x_prompt = lm.embed_tokens(shared_ids)  # (n, P - cut, E)
+    prompt_geometry = (*lm.rotary_emb(x_prompt, prompt_positions(shared_mask)), prompt_allowed(shared_mask), own_last)
     buckets = length_buckets(lengths.clamp(min=1))
     xs, geometries = [], []
     for rows in buckets:
         t = int(lengths[rows].max().clamp(min=1))  # response tokens this bucket scores
-        x = lm.embed_tokens(response_ids[rows, : t - 1])  # (b, t - 1, E): the last token predicts nothing
+        fed = response_ids[rows, : t - 1]  # (b, t - 1): the last token predicts nothing
+        if own_last:
+            fed = torch.cat([prompt_ids[row_prompt[rows], -1:], fed], 1)  # (b, t): position j predicts token j
+        with _segment(("rows", rows) if own_last else None):
+            x = lm.embed_tokens(fed)
         xs.append(x)
-        geometries.append(_response_geometry(lm, x, prompt_mask, row_prompt[rows]))
+        geometries.append((*_response_geometry(lm, x, shared_mask, row_prompt[rows]), rows if own_last else None))
     checkpointed = lm.training and any(getattr(layer, "gradient_checkpointing", False) for layer in lm.layers)
     for layer in lm.layers:
         args = (layer, x_prompt, prompt_geometry, geometries, *xs)
@@ -164,16 +195,14 @@ def shared_prompt_logits(
             x_prompt, *xs = checkpoint(_shared_prompt_layer, *args, use_reentrant=False)
         else:
             x_prompt, *xs = _shared_prompt_layer(*args)
-    last = x_prompt[:, -1]  # (n, E): predicts response token 0
-    hidden = torch.cat(
-        [
-            F.pad(torch.cat([last[row_prompt[rows]][:, None], x], 1), (0, 0, 0, n_resp - 1 - x.shape[1]))
-            for rows, x in zip(buckets, xs, strict=True)
-        ]
-    )  # fmt: skip  (B, T, E) in bucket order
+    if not own_last:
+        last = x_prompt[:, -1]  # (n, E): predicts response token 0
+        xs = [torch.cat([last[row_prompt[rows]][:, None], x], 1) for rows, x in zip(buckets, xs, strict=True)]
+    hidden = torch.cat([F.pad(x, (0, 0, 0, n_resp - x.shape[1])) for x in xs])  # (B, T, E) in bucket order
     order = torch.cat(buckets)
     hidden = hidden[torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))]
-    return causal_lm(model).lm_head(lm.norm(hidden))  # (B, T, V) in row order
+    with _segment(("rows", torch.arange(len(order), device=order.device)) if own_last else None):
+        return causal_lm(model).lm_head(lm.norm(hidden))  # (B, T, V) in row order
 
 
 MAX_BUCKETS = 4
@@ -210,16 +239,21 @@ def _response_geometry(lm, x: torch.Tensor, prompt_mask: torch.Tensor, row_promp
 
 
 def _shared_prompt_layer(layer, x_prompt, prompt_geometry, response_geometries, *xs):
-    """One decoder layer over the prompts (n, P, E) and each bucket's responses (b, t', E) that attend to them."""
-    cos_p, sin_p, allowed_p = prompt_geometry
-    q_p, k_p, v_p = layer_input(layer, x_prompt, cos_p, sin_p)
-    out = [layer_output(layer, x_prompt, attend(layer, q_p, k_p, v_p, allowed_p))]
-    for x, (cos, sin, allowed, row_prompt) in zip(xs, response_geometries, strict=True):
+    """One decoder layer over the prompts (n, P, E) and each bucket's responses (b, t', E) that attend to them; each
+    part's module calls under its ``SEGMENT`` when the geometries carry one (``own_last``)."""
+    cos_p, sin_p, allowed_p, announce = prompt_geometry
+    with _segment(("context",) if announce else None):
+        q_p, k_p, v_p = layer_input(layer, x_prompt, cos_p, sin_p)
+        out = [
+            layer_output(layer, x_prompt, attend(layer, q_p, k_p, v_p, allowed_p)) if x_prompt.shape[1] else x_prompt
+        ]
+    for x, (cos, sin, allowed, row_prompt, rows) in zip(xs, response_geometries, strict=True):
         if x.shape[1] == 0:  # one response token: only the prompt's last position predicts
             out.append(x)
             continue
-        q, k, v = layer_input(layer, x, cos, sin)
-        k = torch.cat([k_p[row_prompt], k], dim=2)  # (b, K, P + t', D)
-        v = torch.cat([v_p[row_prompt], v], dim=2)
-        out.append(layer_output(layer, x, attend(layer, q, k, v, allowed)))
+        with _segment(("rows", rows) if announce else None):
+            q, k, v = layer_input(layer, x, cos, sin)
+            k = torch.cat([k_p[row_prompt], k], dim=2)  # (b, K, P + t', D)
+            v = torch.cat([v_p[row_prompt], v], dim=2)
+            out.append(layer_output(layer, x, attend(layer, q, k, v, allowed)))
     return tuple(out)

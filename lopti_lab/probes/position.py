@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from lopti_lab.bins import DEFAULT_BINS, bin_index, check_bins
+from lopti_lab.lean.forward import SEGMENT
 from lopti_lab.probes._common import (
     COLUMNS,
     _check_level,
@@ -25,6 +25,7 @@ from lopti_lab.probes._common import (
     summarize,
     to_metrics,
 )
+from lopti_lab.probes._held import _Input
 
 # ----------------------------------------------------------------------------------------------------------------------
 # attribution="position": hooks that split dW = sum_t g_t a_t^T by the group of position t, in the ordinary backward
@@ -63,43 +64,6 @@ class _Layout:
 
 
 @dataclass
-class _Input:
-    """A module call's input as the probe holds it: no tensor of its own beyond what the step's backward keeps.
-
-    In a plain forward the input itself (autograd saves it, or a copy of it, for the weight gradient, so holding it
-    costs at most that copy). Under saved-tensor hooks (gradient checkpointing) only a weak reference to its storage:
-    autograd frees it after the forward and re-runs the layer inside the backward, and the probe then takes the
-    input of that re-run (``GradientProbe._recomputed``), alive only while the layer's backward runs. Token ids (an
-    embedding's input, (B, L) integers) and inputs seen in a re-run are held directly."""
-
-    held: torch.Tensor | None = None  # held directly
-    ref: StorageWeakRef | None = None  # held weakly: its storage, and where in it the input lies
-    geometry: tuple = ()  # (storage offset, size, stride, dtype)
-    width: int | None = None  # features per position; None for token ids
-
-    @classmethod
-    def weak(cls, x: torch.Tensor, width: int) -> _Input:
-        where = (x.storage_offset(), x.shape, x.stride(), x.dtype)
-        return cls(ref=StorageWeakRef(x.untyped_storage()), geometry=where, width=width)
-
-    @staticmethod
-    def flat(x: torch.Tensor, width: int | None) -> torch.Tensor:
-        return x.detach().reshape(-1) if width is None else x.detach().reshape(-1, width)  # (N,) or (N, in)
-
-    def get(self) -> torch.Tensor | None:
-        """The (N, in) input (or (N,) ids), or None when it was freed; called when the gradient at the module's
-        output arrives, before the module's backward runs and releases its saved input."""
-        if self.held is not None:
-            return self.held
-        storage = None if self.ref.expired() else torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)
-        if storage is None:
-            return None
-        offset, size, stride, dtype = self.geometry
-        x = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
-        return self.flat(x, self.width)
-
-
-@dataclass
 class _Use:
     """One call of a module that uses a probed parameter: what the split of its gradient needs."""
 
@@ -109,6 +73,7 @@ class _Use:
     layout: _Layout
     token_set: int
     module: nn.Module | None = None  # the module called
+    call: int = 0  # its ``_Input.call``: which input of the module's re-run is its own
 
     def add_group(self, k: int, out: torch.Tensor, acc: torch.dtype) -> None:
         """out += this call's part of group k's gradient (out has the parameter's shape)."""
@@ -338,6 +303,7 @@ class GradientProbe:
         self._token_counts: list[torch.Tensor] = []
         self._groups: torch.Tensor | None = None
         self._layouts: dict = {}
+        self._weak_calls: dict[nn.Module, int] = {}
         self._pending: dict[nn.Parameter, list[_Use]] = {}
         self._recomputed = {}
 
@@ -351,28 +317,39 @@ class GradientProbe:
         last = torch.full_like(group[:, :1], self.K)  # (B, 1): the last input position predicts nothing
         self._groups = torch.cat([group, last], dim=1)  # (B, T + 1): groups of input positions L-T-1 .. L-1
         self._token_counts.append(torch.bincount(bin_of[mask], minlength=self.K))
-        self._layouts = {}
+        self._layouts, self._weak_calls = {}, {}
         # output-gradient hooks of graphs already freed need no removal: keep a long-attached probe's list short
         self._tensor_handles = [h for h in self._tensor_handles if h.hooks_dict_ref() is not None]
 
     # -- hooks -----------------------------------------------------------------------------------------------------
 
-    def _layout(self, length: int, device) -> _Layout:
-        key = (length, str(device))
-        if key not in self._layouts:
-            groups = self._groups.to(device)
-            B, T1 = groups.shape
-            if length >= T1:  # prompt positions in front are context
-                gid = torch.cat([torch.full((B, length - T1), self.K, dtype=groups.dtype, device=device), groups], 1)
-            else:  # logits_to_keep: the activation covers only the last `length` positions
-                gid = groups[:, -length:]
-            gid = gid.reshape(-1)  # (N,)
-            counts = torch.bincount(gid, minlength=self.K + 1).tolist()  # one host sync per minibatch and length
-            offsets = [0]
-            for c in counts:
-                offsets.append(offsets[-1] + c)
-            self._layouts[key] = _Layout(gid, torch.argsort(gid, stable=True), offsets)
-        return self._layouts[key]
+    def _layout(self, x: torch.Tensor, segment: tuple | None) -> _Layout:
+        """The groups of a module call's input positions x (b, L, ...): a plain forward's rows are the batch's
+        [prompt | response] (``segment`` None); a lean forward's calls say which block they compute (``SEGMENT``)."""
+        b, length, device = x.shape[0], x.shape[1], x.device
+        rows = None if segment is None or segment[0] == "context" else segment[1]
+        key = (length, str(device), None if segment is None else segment[0], None if rows is None else id(rows))
+        if key in self._layouts:
+            return self._layouts[key][0]
+        groups = self._groups.to(device)
+        B, T1 = groups.shape
+        if segment is not None and segment[0] == "context":  # shared prompt positions predict no response token
+            gid = torch.full((b, length), self.K, dtype=groups.dtype, device=device)
+        elif segment is not None:  # rows of the batch whose position j predicts response token j
+            gid = groups[rows.to(device), :length]
+        elif length >= T1:  # prompt positions in front are context
+            gid = torch.cat([torch.full((B, length - T1), self.K, dtype=groups.dtype, device=device), groups], 1)
+        else:  # logits_to_keep: the activation covers only the last `length` positions
+            gid = groups[:, -length:]
+        if gid.shape != (b, length):
+            raise ValueError(f"GradientProbe: a module call's input {tuple(x.shape)} does not match its segment")
+        gid = gid.reshape(-1)  # (N,)
+        counts = torch.bincount(gid, minlength=self.K + 1).tolist()  # one host sync per minibatch and length
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        self._layouts[key] = (_Layout(gid, torch.argsort(gid, stable=True), offsets), rows)  # rows kept: id stays
+        return self._layouts[key][0]
 
     def _on_forward(self, module, args, kwargs, output):
         if not self._attached or not isinstance(output, torch.Tensor) or not output.requires_grad:
@@ -381,14 +358,14 @@ class GradientProbe:
             raise RuntimeError("GradientProbe: call set_tokens(probs, mask) before the forward pass")
         x = args[0] if args else kwargs.get("input")
         kind = self._kinds[module]
-        B = self._groups.shape[0]
+        B, segment = self._groups.shape[0], SEGMENT.get()
         want = 2 if kind == "embedding" else 3
-        if x.dim() != want or x.shape[0] != B:
+        if x.dim() != want or (segment is None and x.shape[0] != B):
             raise ValueError(
                 f"GradientProbe: a {type(module).__name__} got input {tuple(x.shape)}; expected (B={B}, L"
                 f"{'' if want == 2 else ', features'}) as in set_tokens (models that flatten tokens are not supported)"
             )
-        layout = self._layout(x.shape[1], x.device)
+        layout = self._layout(x, segment)
         width = None if kind == "embedding" else x.shape[-1]
         if width is None:  # token ids: small, and the padding mask below needs them in the backward
             source = _Input(held=_Input.flat(x, None))
@@ -400,6 +377,7 @@ class GradientProbe:
             source = _Input(held=_Input.flat(x, width))
         else:  # saved-tensor hooks (checkpointing) will free or pack what autograd saves: hold nothing
             source = _Input.weak(x, width)
+            source.call = self._weak_calls[module] = self._weak_calls.get(module, -1) + 1
         token_set = len(self._token_counts) - 1
         self._tensor_handles.append(
             output.register_hook(lambda g: self._on_output_grad(module, source, layout, token_set, g))
@@ -416,19 +394,19 @@ class GradientProbe:
         for role, p in self._probed_of[module]:
             # the input is taken now, before the module's backward runs and autograd releases what it saved
             x = None if role == "bias" else source.get()
-            use = _Use("bias" if role == "bias" else kind, x, g, layout, token_set, module)
+            use = _Use("bias" if role == "bias" else kind, x, g, layout, token_set, module, source.call)
             self._pending.setdefault(p, []).append(use)
 
     def _inputs(self, uses: list[_Use]) -> bool:
         """Give each weight use whose input was freed before its output's gradient arrived the input of the layer's
-        re-run, in call order (the Freivalds check catches a mismatch). False when an input was freed and never
-        re-run (e.g. offloaded)."""
+        re-run, the re-run's calls in the forward's order (the Freivalds check catches a mismatch). False when an
+        input was freed and never re-run (e.g. offloaded)."""
         for u in uses:
             if u.x is None and u.kind != "bias":
                 rerun = self._recomputed.get(u.module, [])
-                if not rerun:
+                if u.call >= len(rerun):
                     return False
-                u.x = rerun.pop(0)
+                u.x = rerun[u.call]
         for u in uses:
             if u.kind != "bias":  # the layer's backward is done with its re-run inputs
                 self._recomputed.pop(u.module, None)
