@@ -11,6 +11,7 @@ the paper predicts something the numbers do not show, the readout says so, and w
     correct_ratios(shift, ...)        Fig. 2b: did the top bin's A > 0 tokens go up, per method
     mechanism(table, parts, ...)      Fig. 3 during training, and the live decomposition of one optimizer's step
     mechanism_map(table)              where GRPO's top bin falls below one half, and what the fixes change there
+    confirmatory(primary, curves)     the confirmatory study's three pre-registered comparisons, with their power
     kk_dataset(stats)                 how the puzzles grow with the people count
     training_run(frame)               one training run: reward, training-batch accuracy, test accuracy
     final_accuracy(table, intervals)  one seed's final accuracies against the recorded spread across seeds
@@ -26,6 +27,7 @@ from lopti_lab.methods import ORDER
 from lopti_lab.paper import FIG3_GRPO
 from lopti_lab.plots import pool_shift
 from lopti_lab.studies.curves import model_name
+from lopti_lab.studies.primary import PRIMARY_STEPS
 from lopti_lab.theory import grad_norm_bounds
 
 
@@ -263,6 +265,40 @@ def mechanism_map(table: pd.DataFrame) -> Readout:
     if sides:
         sentences.append("In those cells, the paired difference from GRPO (95% interval over seeds, uncorrected): "
                          + "; ".join(sides) + ".")  # fmt: skip
+    return _say(*sentences)
+
+
+def confirmatory(primary: pd.DataFrame, curves: pd.DataFrame) -> Readout:
+    """The confirmatory study's verdict (``studies.primary.primary_table`` and the sampled ``curves`` it was computed
+    from): GRPO's gain from the warm start to its primary measure, then each pre-registered comparison's paired
+    difference in points with its 95% interval, Holm's p, the seeds on each side and the effect it could detect."""
+    steps = list(PRIMARY_STEPS)
+    grpo = curves[curves["model"] == model_name("GRPO")]
+    sentences = []
+    for column in dict.fromkeys(primary["column"]):
+        start = grpo.loc[grpo["step"] == 0, column].mean()
+        end = grpo.loc[grpo["step"].isin(steps), column].mean()
+        sentences.append(
+            f"At {column.removesuffix('ppl')} people GRPO goes from {start:.2f} at step 0 to {end:.2f} (its mean "
+            f"over steps {', '.join(map(str, steps))}, {grpo['seed'].nunique()} seeds)."
+        )
+    parts = []
+    for r in primary.itertuples():
+        verdict = "separates from GRPO" if r.holm_reject else "does not separate from GRPO"
+        parts.append(
+            f"{r.method} - GRPO at {r.column.removesuffix('ppl')} people {100 * r.mean:+.1f} ± {100 * r.half:.1f} "
+            f"points (Holm p {r.p_holm:.2f}; above / level / below in {r.above} / {r.level} / {r.below} seeds) "
+            f"{verdict}; at 80% power it could detect {100 * r.detectable:.1f} points"
+        )
+    sentences.append("Pre-registered, paired by seed, Holm-corrected over the three: " + "; ".join(parts) + ".")
+    separate = primary[primary["holm_reject"]]
+    names = [f"{r.method} at {r.column.removesuffix('ppl')} people" for r in separate.itertuples()]
+    sentences.append(
+        f"Separating after the correction, {len(separate)} of {len(primary)}: {', '.join(names)}."
+        if names
+        else f"None of the {len(primary)} primary comparisons separates: a true difference as large as its detectable "
+        "effect would have been found 4 times in 5, a smaller one may have been missed."
+    )
     return _say(*sentences)
 
 

@@ -161,8 +161,74 @@ def settings_numbers() -> list[Number]:
     return out
 
 
+CONFIRM = ROOT / "data" / "hard_lab_confirm"
+HARD_LAB_PAGE = ROOT / "docs" / "hard_lab.md"
+CONFIRM_BEGIN, CONFIRM_END = (
+    "<!-- confirmatory table: scripts/number_table.py -->",
+    "<!-- end of confirmatory table -->",
+)
+
+
+def confirm_primary(folder: Path | None = None):
+    """The confirmatory study's primary table (``studies.primary.primary_table``) recomputed from its bundled sampled
+    curves, or None before the study is bundled (``python -m lopti_lab.studies.record``)."""
+    import pandas as pd
+
+    from lopti_lab.studies.primary import primary_table
+
+    curves = (folder or CONFIRM) / "curves_sample.csv"
+    return primary_table(pd.read_csv(curves)) if curves.exists() else None
+
+
+def confirm_numbers(folder: Path | None = None) -> list[Number]:
+    """The confirmatory study's numbers: per primary comparison (``confirm.lopti.3ppl.mean`` ...) its mean, interval
+    half-width, detectable effect (points) and p and Holm's p; the study's span in hours from its first run's start
+    to its last run's end (``times.csv``) and its peak memory in GB (``memory.json``)."""
+    import pandas as pd
+
+    folder = folder or CONFIRM
+    table = confirm_primary(folder)
+    if table is None:
+        return []
+    source = _rel(folder / "curves_sample.csv")
+    out = []
+    for r in table.itertuples():
+        key = f"confirm.{r.method.removeprefix('GRPO+').lower()}.{r.column}"
+        what = f"{r.method} - GRPO at {r.column[0]} people"
+        for field, scale in (("mean", 100), ("half", 100), ("detectable", 100), ("p", 1), ("p_holm", 1)):
+            out.append(Number(f"{key}.{field}", scale * getattr(r, field), f"{what}: {field}", source))
+        out.append(Number(f"{key}.n", r.n, f"{what}: seeds", source))
+    spans = pd.read_csv(folder / "times.csv", parse_dates=["start", "end"])
+    hours = (spans["end"].max() - spans["start"].min()).total_seconds() / 3600
+    out.append(
+        Number("confirm.span_h", hours, "first run's start to last run's end, hours", _rel(folder / "times.csv"))
+    )
+    memory = folder / "memory.json"
+    if memory.exists():
+        for field, value in json.loads(memory.read_text()).items():
+            if isinstance(value, (int, float)):
+                out.append(Number(f"confirm.{field}", value, f"peak memory: {field}", _rel(memory)))
+    return out
+
+
+def hard_lab_page(text: str) -> str:
+    """docs/hard_lab.md's text with the confirmatory table between its two markers rewritten from
+    ``confirm_primary`` (unchanged when the page has no markers yet)."""
+    from lopti_lab.studies.primary import primary_markdown
+
+    if CONFIRM_BEGIN not in text:
+        return text
+    table = confirm_primary()
+    if table is None:
+        raise FileNotFoundError(f"{_rel(HARD_LAB_PAGE)} has the confirmatory table's markers but {_rel(CONFIRM)} "
+                                "has no curves_sample.csv")  # fmt: skip
+    head, rest = text.split(CONFIRM_BEGIN, 1)
+    _, tail = rest.split(CONFIRM_END, 1)
+    return f"{head}{CONFIRM_BEGIN}\n{primary_markdown(table)}{CONFIRM_END}{tail}"
+
+
 def table() -> dict[str, Number]:
-    numbers = [*notebook_times(), *command_times(), *settings_numbers()]
+    numbers = [*notebook_times(), *command_times(), *settings_numbers(), *confirm_numbers()]
     out = {n.key: n for n in numbers}
     if len(out) != len(numbers):
         raise ValueError("numbers: two numbers share a key")
@@ -229,8 +295,13 @@ def render(numbers: dict[str, Number]) -> str:
         "|---|---|---|---|",
     ]
     for n in numbers.values():
-        if not n.key.startswith("set."):
+        if not n.key.startswith(("set.", "confirm.")):
             lines.append(f"| `{n.key}` | {_fmt(n.value)} | {n.what} | `{n.source}` |")
+    confirm = [n for n in numbers.values() if n.key.startswith("confirm.")]
+    if confirm:  # recomputed from the bundled study (points are x 100 of an accuracy)
+        lines += ["", "## The confirmatory study (docs/hard_lab.md), recomputed from its record", "",
+                  "| key | value | what | source |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| `{n.key}` | {_fmt(n.value)} | {n.what} | `{n.source}` |" for n in confirm]
     lines += ["", "## Settings, one number per key", "", "| key | value | source |", "|---|---|---|"]
     for n in numbers.values():
         if n.key.startswith("set."):
@@ -258,14 +329,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         problems = check_pages(numbers)
         stale = [PAGE.read_text() != render(numbers), TABLE.read_text() != as_json(numbers),
-                 SETTINGS_PAGE.read_text() != settings_page(SETTINGS_PAGE.read_text())]  # fmt: skip
+                 SETTINGS_PAGE.read_text() != settings_page(SETTINGS_PAGE.read_text()),
+                 HARD_LAB_PAGE.read_text() != hard_lab_page(HARD_LAB_PAGE.read_text())]  # fmt: skip
         if any(stale):
-            problems.append("docs/numbers.md, numbers.json or settings.md is stale: run scripts/number_table.py")
+            problems.append(
+                "docs/numbers.md, numbers.json, settings.md or hard_lab.md's confirmatory table is stale: "
+                "run scripts/number_table.py"
+            )
         print("\n".join(problems) or "numbers: every marked number agrees with docs/numbers.md")
         return 1 if problems else 0
     PAGE.write_text(render(numbers))
     TABLE.write_text(as_json(numbers))
     SETTINGS_PAGE.write_text(settings_page(SETTINGS_PAGE.read_text()))
+    HARD_LAB_PAGE.write_text(hard_lab_page(HARD_LAB_PAGE.read_text()))
     print(f"wrote {_rel(PAGE)} and {_rel(TABLE)}: {len(numbers)} numbers")
     return 0
 

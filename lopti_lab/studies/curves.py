@@ -161,11 +161,14 @@ RECORDED = ("curves_sample", "curves_greedy", "mechanism")
 """The hard lab study's tables bundled with lopti_lab (data/hard_lab/), what ``recorded_study`` reads."""
 
 
-def recorded_study(folder: str | Path = "reports/hard_lab") -> tuple[dict[str, pd.DataFrame], Path]:
-    """The hard lab study's tables ({name: frame} for ``RECORDED``: its test curves per mode and its mechanism
-    over training) and the folder they were read from: ``folder`` when `lopti-lab hardlab --out folder` wrote them
-    there, else the study recorded with lopti_lab (``data/hard_lab/``; docs/hard_lab.md says how it was run)."""
-    for place in (Path(folder), data_dir() / "hard_lab"):
+def recorded_study(
+    folder: str | Path = "reports/hard_lab", bundled: str = "hard_lab"
+) -> tuple[dict[str, pd.DataFrame], Path]:
+    """A study's tables ({name: frame} for ``RECORDED``: its test curves per mode and its mechanism over training)
+    and the folder they were read from: ``folder`` when the study's command wrote them there (`lopti-lab hardlab`,
+    `lopti-lab confirm --out folder`), else the study recorded with lopti_lab (``data/{bundled}/``: "hard_lab" or
+    "hard_lab_confirm"; docs/hard_lab.md says how each was run)."""
+    for place in (Path(folder), data_dir() / bundled):
         if all((place / f"{name}.csv").is_file() for name in RECORDED):
             return {name: pd.read_csv(place / f"{name}.csv") for name in RECORDED}, place
-    raise FileNotFoundError(f"no {', '.join(RECORDED)} .csv in {folder} or {data_dir() / 'hard_lab'}")
+    raise FileNotFoundError(f"no {', '.join(RECORDED)} .csv in {folder} or {data_dir() / bundled}")
