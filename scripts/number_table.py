@@ -214,7 +214,9 @@ def confirm_numbers(folder: Path | None = None) -> list[Number]:
 def hard_lab_page(text: str) -> str:
     """docs/hard_lab.md's text with the confirmatory table between its two markers rewritten from
     ``confirm_primary`` (unchanged when the page has no markers yet)."""
-    from lopti_lab.studies.primary import primary_markdown
+    import pandas as pd
+
+    from lopti_lab.studies.primary import primary_markdown, secondary_markdown, secondary_table
 
     if CONFIRM_BEGIN not in text:
         return text
@@ -222,9 +224,11 @@ def hard_lab_page(text: str) -> str:
     if table is None:
         raise FileNotFoundError(f"{_rel(HARD_LAB_PAGE)} has the confirmatory table's markers but {_rel(CONFIRM)} "
                                 "has no curves_sample.csv")  # fmt: skip
+    sample, greedy = (pd.read_csv(CONFIRM / f"curves_{mode}.csv") for mode in ("sample", "greedy"))
+    tables = f"{primary_markdown(table)}\n{secondary_markdown(secondary_table(sample, greedy))}"
     head, rest = text.split(CONFIRM_BEGIN, 1)
     _, tail = rest.split(CONFIRM_END, 1)
-    return f"{head}{CONFIRM_BEGIN}\n{primary_markdown(table)}{CONFIRM_END}{tail}"
+    return f"{head}{CONFIRM_BEGIN}\n{tables}{CONFIRM_END}{tail}"
 
 
 def table() -> dict[str, Number]:

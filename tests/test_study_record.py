@@ -119,7 +119,9 @@ def test_the_number_table_recomputes_the_confirmatory_study_from_its_bundle(tmp_
     from scripts_loader import load_script
 
     nt = load_script("number_table")
-    _study((0.10, 0.11, 0.12), (-0.02, 0.0, 0.02), (-0.01, 0.01, 0.03)).to_csv(tmp_path / "curves_sample.csv")
+    study = _study((0.10, 0.11, 0.12), (-0.02, 0.0, 0.02), (-0.01, 0.01, 0.03))
+    for mode in ("sample", "greedy"):
+        study.to_csv(tmp_path / f"curves_{mode}.csv", index=False)
     pd.DataFrame({"start": ["2026-12-06T08:00:00Z", "2026-12-06T09:00:00Z"],
                   "end": ["2026-12-06T10:00:00Z", "2026-12-06T20:30:00Z"]}).to_csv(tmp_path / "times.csv")  # fmt: skip
     (tmp_path / "memory.json").write_text(json.dumps({"peak_tree_gb": 6.5, "note": "ps every 10 s"}))
@@ -134,7 +136,30 @@ def test_the_number_table_recomputes_the_confirmatory_study_from_its_bundle(tmp_
     text = nt.hard_lab_page(page)
     assert "stale" not in text and "| GRPO + Lopti - GRPO | 3 | +11.0 ± 2.5 (**separates**) |" in text
     assert text.endswith(f"{nt.CONFIRM_END}\nafter\n") and nt.hard_lab_page(text) == text
+    assert "| secondary measure (uncorrected) |" in text
     assert nt.hard_lab_page("no markers\n") == "no markers\n"
     monkeypatch.setattr(nt, "CONFIRM", tmp_path / "absent")
     with pytest.raises(FileNotFoundError, match=r"no curves_sample\.csv"):
         nt.hard_lab_page(page)
+
+
+def test_the_secondary_measures_by_hand():
+    """On the hand-built study: Lopti's average of 2 and 3 people is (d2 + d3) / 2 per seed, mean (0.01 + 0.11) / 2 =
+    +6.0 points; its area under the 3-person curve (steps 0, 10, 40-60; 0.2 at step 0, 0.4 + d after) differs from
+    GRPO's by (10 x d / 2 + 50 x d) / 60 = 55 d / 60, +10.1 points; the accuracy is flat over steps 40-60, so every
+    gain is 0 (p 1); the primary rows are not repeated."""
+    from lopti_lab.studies.primary import secondary_markdown, secondary_table
+
+    curves = _study((0.10, 0.11, 0.12), (-0.02, 0.0, 0.02), (-0.01, 0.01, 0.03))
+    table = secondary_table(curves, curves).set_index(["measure", "method", "column"])
+    first = "sampled, mean of steps 40, 50, 60"
+    assert table.loc[(first, "GRPO+Lopti", "avg"), "mean"] == pytest.approx(0.06)
+    assert (first, "GRPO+Lopti", "3ppl") not in table.index and (first, "GRPO+AR", "2ppl") in table.index
+    auc = table.loc[("sampled, area under the curve", "GRPO+Lopti", "3ppl"), "mean"]
+    assert auc == pytest.approx(55 * 0.11 / 60)
+    gain = table.xs("sampled, gain from step 40 to 60", level="measure")
+    assert (gain["mean"].abs() < 1e-12).all() and (gain["p"] == 1.0).all()
+    assert len(table) == 4 * 2 * 3 - 3
+    text = secondary_markdown(secondary_table(curves, curves))
+    assert "| sampled, area under the curve | GRPO + Lopti | " in text and "+10.1 ± " in text
+    assert "| sampled, mean of steps 40, 50, 60 | GRPO + Lopti | primary, above | primary, above | +6.0 ± " in text

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import pandas as pd
 
 from lopti_lab.studies.config import CONFIRM_PRIMARY, CONFIRM_TRAIN
-from lopti_lab.studies.curves import GRPO_ROW, WARM, model_name
+from lopti_lab.studies.curves import GRPO_ROW, WARM, area_under_curve, model_name
 from lopti_lab.studies.stats import detectable_effect, holm, paired_t
 
 __all__ = [
@@ -36,6 +36,8 @@ __all__ = [
     "power_table",
     "primary_markdown",
     "primary_table",
+    "secondary_markdown",
+    "secondary_table",
 ]
 
 PRIMARY_COMPARISONS = CONFIRM_PRIMARY
@@ -122,6 +124,56 @@ def primary_markdown(table: pd.DataFrame) -> str:
             f"{100 * r.half:.1f} ({verdict}) | {r.p:.3f} | {r.p_holm:.3f} | {r.above} / {r.level} / {r.below} | "
             f"{100 * r.detectable:.1f}; {100 * r.detectable_prior:.1f} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+SECONDARY = ("GRPO+AR", "GRPO+Lopti")
+"""The methods the secondary measures pair with GRPO (each at 2 and 3 people and their average)."""
+
+
+def secondary_table(sample: pd.DataFrame, greedy: pd.DataFrame, steps: Sequence[int] = PRIMARY_STEPS) -> pd.DataFrame:
+    """The pre-registration's secondary measures, none corrected, each a paired difference to GRPO over seeds
+    (``stats.paired_t``): the primary measure (the mean over ``steps``) sampled and greedy, the area under the
+    sampled curve (``curves.area_under_curve``: the mean accuracy over training) and the gain from the first of
+    ``steps`` to the last. One row per (measure, method, column); the three primary rows are left out."""
+    measures = {
+        "sampled, mean of steps " + ", ".join(map(str, steps)): last_mean(sample, steps),
+        "greedy, mean of steps " + ", ".join(map(str, steps)): last_mean(greedy, steps),
+        "sampled, area under the curve": area_under_curve(sample),
+        f"sampled, gain from step {steps[0]} to {steps[-1]}": _gain(sample, steps[0], steps[-1]),
+    }
+    primary = set(PRIMARY_COMPARISONS)
+    rows = []
+    for k, (name, measure) in enumerate(measures.items()):
+        for method in SECONDARY:
+            for column in ("2ppl", "3ppl", "avg"):
+                if k == 0 and (method, column) in primary:
+                    continue
+                rows.append({"measure": name, "method": method, "column": column,
+                             **paired_t(_paired(measure, method, column))})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _gain(curves: pd.DataFrame, first: int, last: int) -> pd.DataFrame:
+    """Per (model, seed) of the runs, each accuracy column at step ``last`` minus at step ``first``."""
+    runs = curves[curves["model"] != WARM].set_index(["model", "seed", "step"])
+    columns = [c for c in runs.columns if c.endswith("ppl") or c == "avg"]
+    diff = runs.xs(last, level="step")[columns] - runs.xs(first, level="step")[columns]
+    return diff.reset_index()
+
+
+def secondary_markdown(table: pd.DataFrame) -> str:
+    """``secondary_table`` in points: per measure and method, the paired difference at 2 and 3 people and their
+    average (mean ± 95% interval, seeds above / level / below)."""
+    lines = [
+        "| secondary measure (uncorrected) | method - GRPO | 2 people | 3 people | average |",
+        "|---|---|---|---|---|",
+    ]
+    for (measure, method), rows in table.groupby(["measure", "method"], sort=False):
+        cells = {r.column: f"{100 * r.mean:+.1f} ± {100 * r.half:.1f} ({r.above} / {r.level} / {r.below})"
+                 for r in rows.itertuples()}  # fmt: skip
+        row = [cells.get(c, "primary, above") for c in ("2ppl", "3ppl", "avg")]
+        lines.append(f"| {measure} | {method.replace('+', ' + ')} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
