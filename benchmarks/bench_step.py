@@ -29,9 +29,10 @@ Generation is also read against its roofline (``decode_roofline``): a decode ste
 weights nor one read of its live keys and values at the streaming read rate measured in the same run (``read_rate``),
 so at the lab model's sizes the FLOP floor alone understates what a decode step must cost.
 
-``--probe`` runs every measured step twice on each path, plain and with the gradient probe (``probe=True``, as
-``probe_every`` steps do), from the same weights and seed, and prints the probe step's time over the plain one's,
-and where its extra time goes (the update with the probe's hooks, the float64 shift forwards).
+``--probe`` runs every measured step three times on each path, plain and with the gradient probe (``probe=True``,
+as ``probe_every`` steps do), with and without the float64 shift of the whole batch (``probe_shift``), from the same
+weights and seed, and prints each probe step's time over the plain one's, and where the extra time goes (the update
+with the probe's hooks, the float64 shift forwards).
 
 ``--eval`` times `evaluate.evaluate` of ``--eval-size`` test puzzles per people count of the study (greedy and
 ``--eval-samples`` samples per puzzle at T = 1.0, the study's max_new_tokens) on each path and prints each accuracy
@@ -215,6 +216,23 @@ def run_step(model, tokenizer, optimizer, puzzles, cfg, probe: bool = False) -> 
     return times
 
 
+def twin(model, optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A copy of ``model`` and of its AdamW with its state. The state dict is copied too: ``load_state_dict`` keeps
+    the given tensors when their dtype and device already match, so without the copy the twin's steps would move the
+    original optimizer's moments and step count in place."""
+    copied = copy.deepcopy(model)
+    copied_opt = torch.optim.AdamW(copied.parameters())  # its lr and betas come with the state dict
+    copied_opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    return copied, copied_opt
+
+
+def probe_twin(model, optimizer, tokenizer, batch, cfg, step: int) -> dict:
+    """``run_step`` with the probe on a ``twin`` of ``model`` and its optimizer, from the plain step's seed."""
+    copied, copied_opt = twin(model, optimizer)
+    torch.manual_seed(1000 + step)
+    return run_step(copied, tokenizer, copied_opt, batch, cfg, probe=True)
+
+
 def ratio_check(model, rollout, cfg) -> float:
     """max |log pi_update - log pi_old| on the first minibatch: the update's own forward (train mode, before any
     optimizer step) against the decoder's log-probs; the first update's ratio is exp of this."""
@@ -291,18 +309,16 @@ def main() -> None:
             batch = puzzles[step * cfg.prompts_per_step : (step + 1) * cfg.prompts_per_step]
             for path, model in models.items():
                 path_cfg = replace(cfg, fast_path=path)
-                if args.probe and step > 0:  # the probe step first, from a copy: the plain step then trains
-                    twin = copy.deepcopy(model)
-                    twin_opt = torch.optim.AdamW(twin.parameters(), lr=cfg.lr)
-                    twin_opt.load_state_dict(optimizers[path].state_dict())
-                    torch.manual_seed(1000 + step)
-                    with_probe = run_step(twin, tokenizer, twin_opt, batch, path_cfg, probe=True)
+                if args.probe and step > 0:  # the probe steps first, from copies: the plain step then trains
+                    with_probe = probe_twin(model, optimizers[path], tokenizer, batch, path_cfg, step)
+                    alone = probe_twin(model, optimizers[path], tokenizer, batch, replace(path_cfg, probe_shift=False),
+                                       step)  # fmt: skip
                 torch.manual_seed(1000 + step)
                 out = run_step(model, tokenizer, optimizers[path], batch, path_cfg)
                 if step > 0:
                     results[path].append(out)
                     if args.probe:
-                        probed[path].append(with_probe["step"][1] / out["step"][1])
+                        probed[path].append((with_probe["step"][1] / out["step"][1], alone["step"][1] / out["step"][1]))
                         parts[path].append((out["update"][0], with_probe["update"][0],
                                             with_probe.get("shift", (0.0,))[0], out["step"][0]))  # fmt: skip
         log_ratio = None
@@ -318,10 +334,12 @@ def main() -> None:
         rates["4096^3 (after)"] = gemm_rate(4096, 4096, 4096)
         report(threads, rates, results, shape, cfg, passes, log_ratio)
         roofline_report(rates, reads, results, shape, cfg)
-        for path, ratios in probed.items():
-            if ratios:
-                print(f"  {path} probe step / plain step (wall): median {statistics.median(ratios):.2f}x, range "
-                      f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} steps")  # fmt: skip
+        for path, pairs in probed.items():
+            for i, what in enumerate(("with its float64 shift (probe_shift)", "the gradient shares alone")):
+                ratios = [pair[i] for pair in pairs]
+                print(f"  {path} probe step {what} / plain step (wall): median {statistics.median(ratios):.2f}x, "
+                      f"range {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} steps")  # fmt: skip
+            if pairs:
                 plain, probed_update, shift, step = (statistics.median(p[i] for p in parts[path]) for i in range(4))
                 print(f"    where it goes (CPU s, medians): update {plain:.2f} plain, {probed_update:.2f} with the "
                       f"probe's hooks; float64 shift forwards {shift:.2f}; plain step {step:.2f}")  # fmt: skip

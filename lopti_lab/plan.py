@@ -326,8 +326,9 @@ def _probe(cfg: TrainConfig, m: ModelShape, b: int, rows: int, prompt: int, new:
 
 
 def _shift(cfg: TrainConfig, m: ModelShape, logprob_rows: int, prompt: int, new: int) -> list[Component]:
-    """The float64 forwards: the probe's shift at the log-prob batch, Fig. 3 at ``shift_rows`` rows (None: all)."""
-    rows = max(logprob_rows if cfg.probe_every > 0 else 0,
+    """The float64 forwards: the probe's shift at the log-prob batch (``probe_shift``), Fig. 3 at ``shift_rows`` rows
+    (None: all)."""
+    rows = max(logprob_rows if cfg.probe_every > 0 and cfg.probe_shift else 0,
                (cfg.shift_rows or cfg.batch_size) if cfg.shift_every > 0 else 0)  # fmt: skip
     if rows == 0:
         return []

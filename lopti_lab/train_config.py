@@ -183,6 +183,10 @@ class TrainConfig:
     """completions per puzzle in the "sample" mode at eval_full_steps; None = eval_samples"""
     probe_every: int = 0
     """log per-bin token and gradient shares every N steps (lopti_lab.probes); 0 = off"""
+    probe_shift: bool = True
+    """on a probe step, also measure the probability shift of the update on every row of the batch (keys shift/...):
+    two float64 forwards of the whole batch, about as much as the rest of the probe step (benchmarks/README.md);
+    False = the gradient shares alone"""
     shift_every: int = 0
     """measure the paper's Fig. 3 every N steps (probes.update_shift): the share of positive-advantage tokens whose
     probability the step's real update raised, per probability quartile and decile, from float64 and from bf16
@@ -419,6 +423,7 @@ def _check_schedule(c: TrainConfig, check: FieldCheck) -> None:
     full_off = c.eval_full_samples is None or bool(c.eval_full_steps)
     check.need(full_off, "eval_full_samples", "is unused without eval_full_steps: name the steps, or leave it None")
     check.integer("probe_every", low=0)
+    check.flag("probe_shift")
     check.integer("shift_every", low=0)
     check.integer("shift_rows", low=1, optional=True)
     edges = c.probe_bins

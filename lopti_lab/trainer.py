@@ -146,9 +146,9 @@ class _Update:
     def run(self, cfg: TrainConfig, clock: _Clock, *, probe: bool, measure_shift: bool) -> dict[str, float]:
         model, rollout, advantages = self.model, self.rollout, self.advantages
         # every probe_every steps: per-bin gradient shares of the real update (position attribution, probes.py), and
-        # the probability shift it causes, measured between float64 forwards before and after it (shift_metrics)
+        # (probe_shift) the probability shift it causes, between float64 forwards before and after it (shift_metrics)
         gradient_probe = GradientProbe(model, bins=cfg.probe_bins) if probe else None
-        before = shift_logprobs(model, rollout, cfg) if probe else None
+        before = shift_logprobs(model, rollout, cfg) if probe and cfg.probe_shift else None
         t_shift = time.perf_counter()
         fig3 = Fig3Batch(model, rollout, advantages, cfg) if measure_shift else None
         t_shift = time.perf_counter() - t_shift
@@ -161,7 +161,8 @@ class _Update:
             metrics.update(
                 self._credit(gradient_probe, cfg.probe_bins, scale, skipped=bool(metrics.get("amp/skipped_steps")))
             )
-            metrics.update(shift_metrics(model, rollout, advantages, cfg, before))
+            if before is not None:
+                metrics.update(shift_metrics(model, rollout, advantages, cfg, before))
         if fig3 is not None:
             metrics.update(fig3.after(model))
             metrics["time/shift"] = t_shift + time.perf_counter() - clock.last

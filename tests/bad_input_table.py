@@ -145,6 +145,7 @@ CASES: dict[str, dict[str, list[tuple[str, object]]]] = {
         ],
         "eval_full_samples": [("out of range", 0), ("inconsistent: without eval_full_steps", 8)],
         "probe_every": [("out of range", -1)],
+        "probe_shift": [("a JSON string", "false")],
         "shift_every": [("out of range", -1)],
         "shift_rows": [("out of range", 0)],
         "probe_bins": [("does not reach 1", (0.0, 0.5)), ("not increasing", (0.0, 0.5, 0.5, 1.0))],

@@ -33,3 +33,24 @@ def test_shape_counts_the_weights_and_every_layers_keys_and_values():
     shape = bench.Shape.of(config, model)
     assert shape.weights == 4 * sum(p.numel() for p in model.parameters())  # tied: the embedding counted once
     assert shape.kv == 3 * 2 * 2 * 8 * 4  # layers x (keys, values) x KV heads x head dim 8 x float32 bytes
+
+
+def test_a_probe_twin_leaves_the_original_optimizer_as_it_was():
+    """bench_step compares a probe step with a plain step from the same weights and optimizer state: the twin's
+    optimizer steps must not move the original's moments or step count (``load_state_dict`` alone shares them)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).square().sum().backward()
+    optimizer.step()
+    before = {k: {n: t.clone() for n, t in s.items()} for k, s in optimizer.state_dict()["state"].items()}
+    copied, copied_opt = bench.twin(model, optimizer)
+    assert copied_opt.param_groups[0]["lr"] == 0.1
+    copied_opt.zero_grad()
+    copied(torch.randn(4, 3)).square().sum().backward()
+    copied_opt.step()
+    after = optimizer.state_dict()["state"]
+    assert all(torch.equal(after[k][n], t) for k, s in before.items() for n, t in s.items())
+    assert not torch.equal(copied.weight, model.weight)

@@ -395,6 +395,19 @@ def test_gradient_probe_metrics_every_k_steps(config):
     assert "shift/n_pos_bin0" not in history[0]
 
 
+def test_the_probe_without_its_shift_gives_the_same_shares_and_no_shift(config):
+    """probe_shift=False: the same step's gradient shares to the last bit (the float64 forwards do not touch the
+    weights, the optimizer or the random stream), and no shift/ metrics, so the probe step costs only its hooks."""
+    cfg = replace(config, steps=1, probe_every=1, minibatch_size=8, eval_people=())
+    with_shift = train(cfg).history[0]
+    alone = train(replace(cfg, probe_shift=False, run_dir=f"{cfg.run_dir}_alone")).history[0]
+    shares = [k for k in with_shift if k.startswith(("grad/share", "tokens/share", "grad/norm"))]
+    assert shares and {k: alone[k] for k in shares} == {k: with_shift[k] for k in shares}
+    assert any(k.startswith("shift/") for k in with_shift) and not any(k.startswith("shift/") for k in alone)
+    with pytest.raises(ValueError, match="probe_shift"):
+        replace(cfg, probe_shift="no")
+
+
 def test_gradient_probe_with_lopti_and_full_finetune(config):
     cfg = replace(config, lora_r=None, steps=1, probe_every=1, lopti_eta=0.5, micro_batch_size=2, eval_people=())
     metrics = train(cfg).history[0]
@@ -607,8 +620,9 @@ def test_update_runs_only_rows_with_a_gradient_and_moves_weights_as_the_full_upd
     monkeypatch.setattr(update, "response_logprobs", counting_forward)
     finished = torch.ones(B, dtype=torch.bool)
     rollout = Rollout(prompt_ids, prompt_mask, response_ids, response_mask, [""] * B, group, finished, old_logp)
-    metrics = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.5), rollout, token_adv, stages,
-                            cfg.update_spec())
+    metrics = update_policy(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), rollout, token_adv, stages, cfg.update_spec()
+    )
 
     assert metrics["update/optimizer_steps"] == 2 * len(stages)
     assert sum(forwarded) < B * len(stages)  # the zero-advantage rows were never run
