@@ -9,8 +9,9 @@ A run folder (``TrainConfig.run_dir``) holds everything needed to reload, compar
                                      scaler.pt (a float16 run's loss-scaler state), state.json (the step, and each
                                      file's size and sha256)
     checkpoints/latest               the name of the newest complete checkpoint ("step_{k}")
-    times.json                       wall-clock times (UTC): the first start, the end of training, and each
-                                     process's [start, end] (``RunFolder.mark``, ``load_times``)
+    times.json                       wall-clock times (UTC): the first start, the end of training, each
+                                     process's [start, end] and its last checkpoint (``RunFolder.mark``,
+                                     ``load_times``)
     lock                             the writer's lock (``writer_lock``): one process writes a run at a time
 
 Crash consistency (lopti_lab.durable has the primitives). Every write reaches the disk in this order, so a kill or a
@@ -191,17 +192,22 @@ class RunFolder:
         durable.append(self.metrics_path, (json.dumps(_plain(record), allow_nan=True) + "\n").encode())
 
     def mark(self, event: str) -> dict:
-        """Record in times.json, atomically, that the run's process starts ("start") or has trained its last step
-        ("end") now: ``start`` stays the first start (a resume keeps it), ``end`` is the latest end, and ``sessions``
-        lists each process's [start, end] (end null while it runs or after a kill), so a resumed run's time is their
-        sum. Returns the times as written."""
-        if event not in ("start", "end"):
-            raise ValueError(f"event must be 'start' or 'end', got {event!r}")
+        """Record in times.json, atomically, that the run's process starts ("start"), has saved a checkpoint
+        ("saved") or has trained its last step ("end") now: ``start`` stays the first start (a resume keeps it),
+        ``end`` is the latest end, ``sessions`` lists each process's [start, end] (end null while it runs or after a
+        kill), and ``saved`` each process's last checkpoint (null before its first), so a killed process's kept work
+        spans [start, saved] and a resumed run's time is their sum. Returns the times as written."""
+        if event not in ("start", "saved", "end"):
+            raise ValueError(f"event must be 'start', 'saved' or 'end', got {event!r}")
         now = datetime.now(UTC).isoformat(timespec="seconds")
         times = load_times(self.path) or {"start": now, "end": None, "sessions": []}
+        saved = times.setdefault("saved", [None] * len(times["sessions"]))  # older folders: no checkpoint times
         if event == "start":
             times["sessions"].append([now, None])
-        else:
+            saved.append(None)
+        elif event == "saved" and saved:
+            saved[-1] = now
+        elif event == "end":
             times["end"] = now
             if times["sessions"]:
                 times["sessions"][-1][1] = now

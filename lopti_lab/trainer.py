@@ -429,6 +429,7 @@ class _Run:
             if stopped or halt or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 runs.save_checkpoint(self.folder.path, step, self.model, self.optimizer, self.tokenizer,
                                      scaler=self.scaler)  # fmt: skip
+                self.folder.mark("saved")  # a kill after this keeps the process's work up to now
             bar.set_postfix({"reward": f"{metrics['reward/mean']:.2f}", "acc": f"{metrics['acc/all']:.2f}"})
             if halt:
                 bar.close()

@@ -81,11 +81,19 @@ def test_times_keep_the_first_start_and_list_each_session(tmp_path):
     assert runs.load_times(tmp_path) is None
     first = folder.mark("start")
     assert first["end"] is None and first["sessions"] == [[first["start"], None]]
+    assert first["saved"] == [None]
+    saved = folder.mark("saved")["saved"]  # a checkpoint, then a kill: the session keeps its work up to then
     folder.mark("start")  # a resume after a kill: the killed session keeps no end
     ended = folder.mark("end")
     assert ended["start"] == first["start"] and len(ended["sessions"]) == 2
     assert ended["sessions"][0][1] is None and ended["sessions"][1][1] == ended["end"] >= ended["start"]
+    assert ended["saved"] == [saved[0], None] and saved[0] >= first["start"]
     assert runs.load_times(tmp_path) == ended
+    with pytest.raises(ValueError, match="'saved'"):
+        folder.mark("stop")
+    old = {"start": first["start"], "end": None, "sessions": [[first["start"], None]]}  # before checkpoint times
+    (tmp_path / runs.TIMES).write_text(json.dumps(old))
+    assert folder.mark("start")["saved"] == [None, None]
     (tmp_path / runs.TIMES).write_text("[1, 2]")
     with pytest.raises(runs.RunFolderError, match=r"times\.json"):
         runs.load_times(tmp_path)
@@ -98,6 +106,7 @@ def test_train_records_its_times_and_a_resume_keeps_the_first_start(tmp_path):
     trainer.train(cfg)
     first = runs.load_times(cfg.run_dir)
     assert first["start"] <= first["end"] and first["sessions"] == [[first["start"], first["end"]]]
+    assert first["start"] <= first["saved"][0] <= first["end"]  # its one checkpoint (save_every 1)
     trainer.train(replace(cfg, steps=2), resume=True)
     again = runs.load_times(cfg.run_dir)
     assert again["start"] == first["start"] and again["end"] >= first["end"] and len(again["sessions"]) == 2

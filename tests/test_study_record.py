@@ -44,10 +44,28 @@ def test_run_times_reads_every_runs_start_end_and_killed_processes(tmp_path):
     assert times["run"].tolist() == ["grpo-seed5", "grpo_lopti-seed5"]
     assert times["model"].tolist() == [model_name("GRPO"), model_name("GRPO+Lopti")] and set(times["seed"]) == {5}
     assert times["sessions"].tolist() == [2, 1] and times["open_sessions"].tolist() == [1, 0]
+    assert pd.isna(times.loc[0, "kept_h"]) and times.loc[1, "kept_h"] == 2.0  # a killed session, no checkpoint time
     assert times.loc[0, "start"] == pd.Timestamp("2026-12-06T07:59:46Z")
     late = started_before(times, "2026-12-06T07:59:59Z")
     assert late["run"].tolist() == ["grpo-seed5"]  # the moment is inclusive of the run that started before it
     assert started_before(times, "2026-12-06T06:41:29Z").empty
+
+
+def test_kept_hours_end_a_killed_process_at_its_last_checkpoint(tmp_path):
+    """GRPO: killed after 30 min, its last checkpoint at 20, resumed for 60 min: 1 h 20 kept. Lopti: killed before
+    its first checkpoint (nothing kept), then 2 h to its end."""
+    report = tmp_path / "report"
+    for name, sessions, saved in (
+        ("grpo-seed5", [["2026-12-06T08:00:00Z", None], ["2026-12-06T09:00:00Z", "2026-12-06T10:00:00Z"]],
+         ["2026-12-06T08:20:00Z", "2026-12-06T09:50:00Z"]),
+        ("grpo_lopti-seed5", [["2026-12-06T08:00:00Z", None], ["2026-12-06T09:00:00Z", "2026-12-06T11:00:00Z"]],
+         [None, "2026-12-06T10:50:00Z"]),
+    ):  # fmt: skip
+        _run(report, name, sessions[0][0], sessions[-1][1], sessions)
+        times = json.loads((report / "runs" / name / "times.json").read_text())
+        (report / "runs" / name / "times.json").write_text(json.dumps({**times, "saved": saved}))
+    kept = run_times(report, METHODS).set_index("run")["kept_h"]
+    assert kept["grpo-seed5"] == pytest.approx(4 / 3) and kept["grpo_lopti-seed5"] == pytest.approx(2.0)
 
 
 def test_bundle_copies_the_tables_and_writes_the_times(tmp_path):

@@ -26,7 +26,22 @@ __all__ = ["BUNDLED", "TIME_COLUMNS", "bundle", "run_times", "started_before"]
 
 BUNDLED = (*RECORDED, "primary")
 """The report's tables a bundle copies (each ``NAME.csv``), beside the ``times.csv`` it writes."""
-TIME_COLUMNS = ["run", "model", "seed", "start", "end", "sessions", "open_sessions"]
+TIME_COLUMNS = ["run", "model", "seed", "start", "end", "sessions", "open_sessions", "kept_h"]
+
+
+def _kept_hours(times: dict) -> float:
+    """Hours of the run's processes whose work was kept: each from its start to its end, or, for a killed one, to
+    its last checkpoint (``saved``; none: nothing kept). NaN when a killed process has no checkpoint time because
+    the folder predates them (``runs.RunFolder.mark``): unknown, not zero."""
+    saved = times.get("saved")
+    total = 0.0
+    for i, (start, end) in enumerate(times.get("sessions", [])):
+        if end is None and saved is None:
+            return float("nan")
+        stop = end if end is not None else saved[i] if i < len(saved) else None
+        if stop is not None:
+            total += (pd.Timestamp(stop) - pd.Timestamp(start)).total_seconds() / 3600
+    return total
 
 
 def _method_of(run: str, methods: Sequence[str]) -> tuple[str, int]:
@@ -41,7 +56,8 @@ def _method_of(run: str, methods: Sequence[str]) -> tuple[str, int]:
 def run_times(report: str | Path, methods: Sequence[str]) -> pd.DataFrame:
     """Every run of the study in ``report`` (its ``runs/*/times.json``): the folder, the method's row name, the seed,
     the first start and the end (UTC timestamps; the end is NaT for an unfinished run), the number of processes
-    that worked on it and how many of them were killed before writing their end."""
+    that worked on it, how many of them were killed before writing their end, and the hours whose work was kept
+    (``_kept_hours``)."""
     rows = []
     for path in sorted(Path(report, "runs").glob("*/times.json")):
         times = json.loads(path.read_text())
@@ -49,7 +65,8 @@ def run_times(report: str | Path, methods: Sequence[str]) -> pd.DataFrame:
         sessions = times.get("sessions", [])
         rows.append({"run": path.parent.name, "model": model_name(method), "seed": seed,
                      "start": pd.Timestamp(times["start"]), "end": pd.Timestamp(times["end"]),
-                     "sessions": len(sessions), "open_sessions": sum(end is None for _, end in sessions)})  # fmt: skip
+                     "sessions": len(sessions), "open_sessions": sum(end is None for _, end in sessions),
+                     "kept_h": _kept_hours(times)})  # fmt: skip
     if not rows:
         raise FileNotFoundError(f"no run folder with a times.json in {Path(report, 'runs')}")
     return pd.DataFrame(rows, columns=TIME_COLUMNS)
