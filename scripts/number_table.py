@@ -147,9 +147,14 @@ def settings_page(text: str) -> str:
     """docs/settings.md's text with the table between its two markers rewritten from ``settings_rows``."""
     from lopti_lab.studies.settings import settings_markdown
 
-    head, rest = text.split(SETTINGS_BEGIN, 1)
-    _, tail = rest.split(SETTINGS_END, 1)
-    return f"{head}{SETTINGS_BEGIN}\n{settings_markdown(settings_rows())}\n{SETTINGS_END}{tail}"
+    return between_markers(text, SETTINGS_BEGIN, SETTINGS_END, f"{settings_markdown(settings_rows())}\n")
+
+
+def between_markers(text: str, begin: str, end: str, body: str) -> str:
+    """``text`` with what lies between its ``begin`` and ``end`` markers replaced by a new line and ``body``."""
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}{end}{tail}"
 
 
 def settings_numbers() -> list[Number]:
@@ -226,9 +231,7 @@ def hard_lab_page(text: str) -> str:
                                 "has no curves_sample.csv")  # fmt: skip
     sample, greedy = (pd.read_csv(CONFIRM / f"curves_{mode}.csv") for mode in ("sample", "greedy"))
     tables = f"{primary_markdown(table)}\n{secondary_markdown(secondary_table(sample, greedy))}"
-    head, rest = text.split(CONFIRM_BEGIN, 1)
-    _, tail = rest.split(CONFIRM_END, 1)
-    return f"{head}{CONFIRM_BEGIN}\n{tables}{CONFIRM_END}{tail}"
+    return between_markers(text, CONFIRM_BEGIN, CONFIRM_END, tables)
 
 
 def table() -> dict[str, Number]:

@@ -2,12 +2,12 @@
 the primary comparisons) and every run's recorded start and end, so that a reader can check each run against the
 commit of its pre-registration without the run folders (each about 300 MB of checkpoints).
 
-    bundle("reports/hard_lab_confirm", data_dir() / "hard_lab_confirm", methods)   # the tables and times.csv
+    bundle("reports/hard_lab_confirm", data_dir() / "hard_lab_confirm", methods, runs=30)  # tables, times.csv
     run_times("reports/hard_lab_confirm", methods)     # one row per run: run, model, seed, start, end, sessions, ...
     started_before(times, "2026-12-06T06:41:29Z")      # the runs whose first start is not after that moment
 
-A run folder's ``times.json`` (written by ``studies.run``) holds its first start, its end (null until its last step)
-and each process's span; a span whose process was killed has no end.
+A run folder's ``times.json`` (``runs.RunFolder.mark``) holds its first start, its end (null until its last step),
+each process's span (a killed process's has no end) and each process's last checkpoint time (``saved``).
 """
 
 from __future__ import annotations
