@@ -21,6 +21,7 @@ from scripts_loader import load_script
 
 from lopti_lab.paths import data_dir
 from lopti_lab.studies.curves import GRPO_ROW, WARM, last_evaluations, late_gain, paired_over_steps, seed_bands
+from lopti_lab.studies.primary import primary_table
 from lopti_lab.studies.stats import holm, paired_t
 from lopti_lab.studies.tables import paired_intervals, paired_per_seed, paired_vs_grpo, spread_over_seeds
 
@@ -50,6 +51,9 @@ PATTERNS = {
         "+ GRPO + Lopti": r"\bLopti ([+-]\d\.\d+) ± (\d\.\d+)",
         "+ GRPO + AR + Lopti": r"\bAR\+Lopti ([+-]\d\.\d+) ± (\d\.\d+)",
         "+ GRPO + AR": r"\bAR ([+-]\d\.\d+) ± (\d\.\d+) \(p (\d\.\d+), Holm (\d\.\d+)",
+        "confirm": r"fresh seeds.*?: Lopti ([+-]\d+\.\d) ± (\d+\.\d) points at 3 people, AR ([+-]\d+\.\d) ± "
+        r"(\d+\.\d) at 3, Lopti ([+-]\d+\.\d) ± (\d+\.\d) at 2 \(Holm p (\d\.\d+), (\d\.\d+), (\d\.\d+)\)",
+        "confirm power": r"could have detected (\d+\.\d)-(\d+\.\d) points",
     },
     MECH: {
         "float64": r"correct ratio reads (\d\.\d+)-(\d\.\d+)",
@@ -111,6 +115,13 @@ def hard_lab_primaries() -> pd.DataFrame:
 
 
 @cache
+def confirm_primaries() -> pd.DataFrame:
+    """The confirmatory study's pre-registered table (``studies.primary.primary_table``) from its bundled curves
+    (data/hard_lab_confirm/, docs/hard_lab.md "Confirmatory study: results"): Lopti 3, AR 3, Lopti 2 people."""
+    return primary_table(pd.read_csv(data_dir() / "hard_lab_confirm" / "curves_sample.csv"))
+
+
+@cache
 def fig3() -> pd.DataFrame:
     """The mechanism study's top bin (p > 0.75, quartiles), zeros excluded: mean and ci95 per (optimizer, method,
     precision)."""
@@ -168,6 +179,17 @@ def test_the_hard_labs_primaries_and_their_holm_correction():
     step60 = paired_over_steps(hard_lab_curves(), ["3ppl"]).query("model == '+ GRPO + AR' and step == 60").iloc[0]
     assert "level at step 60" in section(HARD)
     assert step60["mean"] - step60["ci95"] < 0 < step60["mean"] + step60["ci95"], "AR - GRPO at step 60 holds 0"
+
+
+def test_the_confirmatory_studys_primaries_are_its_record():
+    """Each primary comparison's mean ± 95% interval in points and its Holm-adjusted p, in the pre-registered order,
+    the range of their detectable effects, and the verdict's wording by Holm's test."""
+    table = confirm_primaries()
+    points = [100 * v for r in table.itertuples() for v in (r.mean, r.half)]
+    assert_quotes(HARD, "confirm", [*points, *table["p_holm"]])
+    assert_quotes(HARD, "confirm power", [100 * table["detectable"].min(), 100 * table["detectable"].max()])
+    separated = bool(table["holm_reject"].any())
+    assert ("none separates" in section(HARD)) == (not separated), "the confirmatory verdict's wording"
 
 
 def test_the_mechanisms_fig3_ratios_are_the_recorded_table():
