@@ -287,7 +287,8 @@ def confirmatory(primary: pd.DataFrame, curves: pd.DataFrame) -> Readout:
         verdict = "separates from GRPO" if r.holm_reject else "does not separate from GRPO"
         parts.append(
             f"{r.method} - GRPO at {r.column.removesuffix('ppl')} people {100 * r.mean:+.1f} ± {100 * r.half:.1f} "
-            f"points (Holm p {r.p_holm:.2f}; above / level / below in {r.above} / {r.level} / {r.below} seeds) "
+            f"points (p {r.p:.3f}, Holm p {r.p_holm:.3f}; above / level / below in {r.above} / {r.level} / {r.below} "
+            f"seeds) "
             f"{verdict}; at 80% power it could detect {100 * r.detectable:.1f} points"
         )
     sentences.append("Pre-registered, paired by seed, Holm-corrected over the three: " + "; ".join(parts) + ".")
@@ -299,6 +300,16 @@ def confirmatory(primary: pd.DataFrame, curves: pd.DataFrame) -> Readout:
         else f"None of the {len(primary)} primary comparisons separates: a true difference as large as its detectable "
         "effect would have been found 4 times in 5, a smaller one may have been missed."
     )
+    alone = primary[~primary["holm_reject"] & (primary["p"] <= 0.05)]
+    if len(alone):  # the correction, not the interval, decides them: say so rather than leave "does not separate"
+        names = [f"{r.method} at {r.column.removesuffix('ppl')} people" for r in alone.itertuples()]
+        sentences.append(
+            f"Taken alone (uncorrected), the 95% interval{'' if len(alone) == 1 else 's'} of "
+            f"{', '.join(names[:-1]) + ' and ' if len(names) > 1 else ''}{names[-1]} "
+            f"{'excludes' if len(alone) == 1 else 'exclude'} 0: "
+            f"{'it fails' if len(alone) == 1 else 'they fail'} only the pre-registered correction over the "
+            f"{len(primary)} comparisons."
+        )
     return _say(*sentences)
 
 

@@ -120,8 +120,8 @@ def test_the_confirmatory_readout_says_the_tables_numbers():
     assert "At 2 people GRPO goes from 0.30 at step 0 to 0.60" in text
     lopti = table.iloc[0]
     assert lopti["p_holm"] == pytest.approx(0.0081, abs=2e-4) and lopti["holm_reject"]
-    assert "GRPO+Lopti - GRPO at 3 people +11.0 ± 2.5 points (Holm p 0.01; above / level / below in 3 / 0 / 0 seeds) " \
-           "separates from GRPO" in text  # fmt: skip
+    assert "GRPO+Lopti - GRPO at 3 people +11.0 ± 2.5 points (p 0.003, Holm p 0.008; above / level / below in " \
+           "3 / 0 / 0 seeds) separates from GRPO" in text  # fmt: skip
     assert "GRPO+AR - GRPO at 3 people +0.0 ± 5.0 points" in text
     assert "1 / 1 / 1 seeds) does not separate from GRPO" in text
     assert "Separating after the correction, 1 of 3: GRPO+Lopti at 3 people." in text
@@ -129,6 +129,20 @@ def test_the_confirmatory_readout_says_the_tables_numbers():
     none = readouts.confirmatory(primary_table(_study((0.1, -0.1, 0.0), (0.0, 0.01, -0.01), (0.02, -0.02, 0.0))),
                                  curves)  # fmt: skip
     assert "None of the 3 primary comparisons separates" in none
+    assert "Taken alone" not in text and "Taken alone" not in none, "no uncorrected interval excludes 0 there"
+
+
+def test_the_confirmatory_readout_names_intervals_that_only_the_correction_keeps_level():
+    """Lopti +0.03, +0.05, +0.07 at 3 people: t = (5 / 2) sqrt(3) = 4.33 on 2 degrees of freedom, p = 1 - 4.33 /
+    sqrt(2 + 4.33^2) = 0.049 alone, the smallest of three, Holm x 3 = 0.15: level after the correction, and named as
+    failing only it (the others' p: 1.0 and 0.48)."""
+    curves = _study(lopti3=(0.03, 0.05, 0.07), ar3=(-0.02, 0.0, 0.02), lopti2=(-0.01, 0.01, 0.03))
+    table = primary_table(curves)
+    lopti = table.iloc[0]
+    assert lopti["p"] == pytest.approx(0.0494, abs=5e-4) and not lopti["holm_reject"]
+    text = readouts.confirmatory(table, curves)
+    assert "None of the 3 primary comparisons separates" in text
+    assert "Taken alone (uncorrected), the 95% interval of GRPO+Lopti at 3 people excludes 0: it fails only" in text
 
 
 def test_the_number_table_recomputes_the_confirmatory_study_from_its_bundle(tmp_path, monkeypatch):
