@@ -169,3 +169,13 @@ def test_the_confirm_command_builds_its_config_and_refuses_a_bad_field(capsys):
         main(["confirm", "--help"])
     help_text = capsys.readouterr().out
     assert "--with-ar-lopti" in help_text and "--eval-full-steps" in help_text and "--seed " not in help_text
+
+
+def test_the_reports_first_table_says_how_many_samples_each_row_scored():
+    """The confirmatory study's last step is a full evaluation (8 per puzzle) and its warm start a curve one (2): the
+    report's heading said 2 for both; the demo scores 2 everywhere."""
+    from lopti_lab.studies.config import ConfirmConfig, DemoConfig
+    from lopti_lab.studies.report import _samples_text
+
+    assert _samples_text(ConfirmConfig().train) == "8 per puzzle; the warm start 2"
+    assert _samples_text(DemoConfig().train) == "2 per puzzle"

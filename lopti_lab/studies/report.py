@@ -365,6 +365,13 @@ step's update (Fig. 2b). Bins: p < 0.25 / 0.25-0.5 / 0.5-0.75 / >= 0.75.
 {table}"""
 
 
+def _samples_text(train) -> str:
+    """How many samples per puzzle the first table's rows scored: the last step's evaluation may be the full one
+    (``eval_full_steps``) while the warm start's is the curves' (``TrainConfig.eval_spec``)."""
+    last, start = train.eval_spec(train.steps).samples, train.eval_spec(0).samples
+    return f"{last} per puzzle" if last == start else f"{last} per puzzle; the warm start {start}"
+
+
 def _report_text(config: DemoConfig, tables: dict, parts: dict, verdict: list[str], minutes: float) -> str:
     seeds = f"{config.seeds} seed{'s' if config.seeds > 1 else ''}"
     train = config.train
@@ -377,7 +384,7 @@ def _report_text(config: DemoConfig, tables: dict, parts: dict, verdict: list[st
 Test accuracy is the share of completions scoring 3 on the bundled test split
 ({config.train.eval_size} puzzles per people count){"; mean ± 95% CI over seeds" if config.seeds > 1 else ""}.
 
-## Sampled at temperature 1.0 ({config.train.eval_samples} per puzzle)
+## Sampled at temperature 1.0 ({_samples_text(train)})
 
 {tables["sample"]}
 ## Greedy
