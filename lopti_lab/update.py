@@ -145,14 +145,22 @@ def _schedule(stages, n_rows: int, minibatch: int, epochs: int) -> Iterator[tupl
 
 
 def _probe_tokens(
-    probe: GradientProbe | None, rollout: Rollout, rows: slice, probe_by: torch.Tensor | None = None
+    probe: GradientProbe | None,
+    rollout: Rollout,
+    rows: slice,
+    probe_by: torch.Tensor | None = None,
+    run: slice | torch.Tensor | None = None,
 ) -> Callable[[int], None] | None:
     """Tell the probe, before each forward, what bins the t response columns that forward keeps: their rollout
-    probabilities, or ``probe_by`` ((B, T) values in [0, 1], e.g. ``bins.entropy_rank`` for entropy bins)."""
+    probabilities, or ``probe_by`` ((B, T) values in [0, 1], e.g. ``bins.entropy_rank`` for entropy bins). The
+    forward runs the micro-batch's rows ``run`` (default all of ``rows``); the token shares count every token of
+    ``rows``, run or not."""
     if probe is None:
         return None
     by = rollout.old_logp.exp() if probe_by is None else probe_by
-    return lambda t: probe.set_tokens(by[rows, :t], rollout.response_mask[rows, :t])
+    run = rows if run is None else run
+    census = (by[rows], rollout.response_mask[rows])
+    return lambda t: probe.set_tokens(by[run, :t], rollout.response_mask[run, :t], census=census)
 
 
 def _acting_rows(acting: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +186,7 @@ class _Pass:
     def __post_init__(self):
         self.on_policy = self.rollout.old_logp is None  # pi_old comes from the update's own forward
         self.with_kl = self.rollout.ref_logp is not None and self.spec.objective.kl_coef != 0.0
-        self.trim = not self.on_policy and self.probe is None  # on-policy: every row's forward is pi_old and entropy
+        self.trim = not self.on_policy  # on-policy: every row's forward is pi_old and entropy
         device = self.rollout.input_ids.device
         self.sums = {key: torch.zeros((), device=device) for key in (*_TOKEN_STATS, "tokens", "loss", "entropy")}
         self.credit: CreditSums | None = None  # a probed update's per-bin clip shares (probes.credit)
@@ -201,13 +209,15 @@ class _Pass:
         acting = stage_mask[m].bool() if self.with_kl else stage_mask[m].bool() & (advantages[m] != 0)  # (b, T)
         r, reach = m, rollout.response_mask[m]  # the rows run and their response columns
         if self.trim:
-            kept, reach = _acting_rows(acting, reach)
-            if len(kept) == 0:
+            kept, kept_reach = _acting_rows(acting, reach)
+            if len(kept):
+                r, reach, acting = kept + m.start, kept_reach, acting[kept]
+            elif self.probe is None:
                 return None
-            r, acting = kept + m.start, acting[kept]
+            # else a probe still records this micro-batch (its tokens and a zero gradient), on all of its rows
         logp, entropy = response_logprobs(
             self.model, rollout.input_ids[r], rollout.attention_mask[r], reach, self.spec.temperature,
-            with_entropy=self.on_policy, before_forward=_probe_tokens(self.probe, rollout, m, self.probe_by),
+            with_entropy=self.on_policy, before_forward=_probe_tokens(self.probe, rollout, m, self.probe_by, r),
             fast_path=self.spec.fast_path,
         )  # fmt: skip
         if self.on_policy:  # the weights are still the rollout's: this forward IS pi_old, exactly
@@ -285,9 +295,10 @@ def update_policy(
     so does an overflow at a scale <= 1, where the gradient itself does not fit float16.
 
     Only the stage's tokens with a nonzero advantage (every stage token when a KL term acts) have a gradient: the
-    diagnostics (approx_kl, clip fractions, kl) are means over those, and, when pi_old is given and no probe is
-    attached, the forwards skip the rest (``_acting_rows``): a group whose rewards are all equal is not run at all,
-    and each row stops at its last such token. The gradient is the same sum, less its exact zeros.
+    diagnostics (approx_kl, clip fractions, kl) are means over those, and, when pi_old is given, the forwards skip
+    the rest (``_acting_rows``): a group whose rewards are all equal is not run at all, and each row stops at its
+    last such token. The gradient is the same sum, less its exact zeros. An attached probe sees the same forwards
+    (the skipped positions would add exact zeros to each bin's gradient) and counts every token in its token shares.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     work = _Pass(model, rollout, advantages, spec, probe, probe_by, scaler)

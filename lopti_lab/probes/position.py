@@ -307,16 +307,22 @@ class GradientProbe:
         self._pending: dict[nn.Parameter, list[_Use]] = {}
         self._recomputed = {}
 
-    def set_tokens(self, probs: torch.Tensor, mask: torch.Tensor) -> None:
-        """Bins for the next forward: (B, T) probabilities (normally old_logp.exp()) and response mask."""
+    def set_tokens(self, probs: torch.Tensor, mask: torch.Tensor, *, census: tuple | None = None) -> None:
+        """Bins for the next forward: (B, T) probabilities (normally old_logp.exp()) and response mask. ``census``
+        ((B', T') probabilities and mask): the tokens the token shares count, when the forward runs only some of
+        them (an update skips the rows without a gradient; theirs would add exact zeros to the split); default: the
+        forward's own."""
         mask = _check_mask(mask)
         probs = _check_probs(probs, mask)
+        counted_probs, counted = (probs, mask) if census is None else census
+        counted = _check_mask(counted)
+        counted_probs = _check_probs(counted_probs, counted)
         self._close()
         bin_of = bin_index(probs, self.bins)  # (B, T)
         group = torch.where(mask, bin_of, self.K)  # (B, T): masked-out tokens' positions are context
         last = torch.full_like(group[:, :1], self.K)  # (B, 1): the last input position predicts nothing
         self._groups = torch.cat([group, last], dim=1)  # (B, T + 1): groups of input positions L-T-1 .. L-1
-        self._token_counts.append(torch.bincount(bin_of[mask], minlength=self.K))
+        self._token_counts.append(torch.bincount(bin_index(counted_probs, self.bins)[counted], minlength=self.K))
         self._layouts, self._weak_calls = {}, {}
         # output-gradient hooks of graphs already freed need no removal: keep a long-attached probe's list short
         self._tensor_handles = [h for h in self._tensor_handles if h.hooks_dict_ref() is not None]
