@@ -13,14 +13,14 @@ from dataclasses import replace
 import pytest
 import torch
 from peft.tuners.lora import LoraLayer
-from tiny import fake_score
+from tiny import fake_score, lora_update_rollout
 
 from lopti_lab import evaluate as evaluation
 from lopti_lab import models, runs
 from lopti_lab.models import LoraSpec, load_policy, native_dtype, resolve_dtype, trainable_state_dict, training_dtype
 from lopti_lab.notebook import Environment, training_defaults
 from lopti_lab.objective import policy_loss
-from lopti_lab.rollout import Rollout, response_logprobs
+from lopti_lab.rollout import response_logprobs
 from lopti_lab.train_config import TrainConfig
 from lopti_lab.trainer import train
 from lopti_lab.update import update_policy
@@ -157,16 +157,8 @@ def test_float16_lora_gradient_matches_float32_with_the_scaler_and_underflows_wi
 def _fp16_update_setup(model_dir, dtype="float16"):
     """A LoRA policy in ``dtype``, a frozen 8-row rollout with pi_old from the policy, and a config whose RL step is
     one optimizer step (minibatch = batch)."""
-    torch.manual_seed(0)
-    model, _ = load_policy(str(model_dir), LoraSpec(r=4), dtype=dtype, device="cpu")
-    gen = torch.Generator().manual_seed(3)
-    prompt_ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=gen).repeat_interleave(4, 0)  # (B, P)
-    response_ids = torch.randint(0, model.config.vocab_size, (8, 10), generator=gen)  # (B, T)
-    response_mask = torch.ones(8, 10)
-    rollout = Rollout(prompt_ids, torch.ones_like(prompt_ids), response_ids, response_mask, [""] * 8, 4,
-                      torch.ones(8, dtype=torch.bool))  # fmt: skip
-    with torch.no_grad():
-        rollout.old_logp, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, response_mask, 0.7)
+    model, rollout = lora_update_rollout(model_dir, dtype)
+    response_mask = rollout.response_mask
     cfg = TrainConfig(model=str(model_dir), lora_r=4, prompt_style="base", prompts_per_step=2, group_size=4,
                       minibatch_size=8, kl_coef=0.0, lr=1e-2, dtype=dtype)  # fmt: skip
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)[:, None].expand(8, 10)  # (B, T)

@@ -4,11 +4,11 @@ every token of the minibatch (``GradientProbe.set_tokens(census=...)``)."""
 
 import pytest
 import torch
+from tiny import lora_update_rollout
 
 from lopti_lab import update
-from lopti_lab.models import LoraSpec, load_policy, trainable_state_dict
+from lopti_lab.models import trainable_state_dict
 from lopti_lab.probes import GradientProbe
-from lopti_lab.rollout import Rollout, response_logprobs
 from lopti_lab.train_config import TrainConfig
 
 
@@ -16,16 +16,8 @@ def _setup(model_dir):
     """A LoRA policy, an 8-row rollout of 2 prompts x 4 with pi_old from the policy; prompt 1's group has equal
     rewards (advantage 0 on every token) and row 0's last 4 tokens have none: what the plain update skips. The bins
     come from fixed values spread over [0, 1) (``probe_by``), so the token shares depend on which tokens count."""
-    torch.manual_seed(0)
-    model, _ = load_policy(str(model_dir), LoraSpec(r=4), dtype="float32", device="cpu")
-    gen = torch.Generator().manual_seed(3)
-    prompt_ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=gen).repeat_interleave(4, 0)  # (B, P)
-    response_ids = torch.randint(0, model.config.vocab_size, (8, 10), generator=gen)  # (B, T)
-    response_mask = torch.ones(8, 10)
-    rollout = Rollout(prompt_ids, torch.ones_like(prompt_ids), response_ids, response_mask, [""] * 8, 4,
-                      torch.ones(8, dtype=torch.bool))  # fmt: skip
-    with torch.no_grad():
-        rollout.old_logp, _ = response_logprobs(model, rollout.input_ids, rollout.attention_mask, response_mask, 1.0)
+    model, rollout = lora_update_rollout(model_dir, temperature=1.0)
+    gen = torch.Generator().manual_seed(4)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0])[:, None].repeat(1, 10)  # (B, T)
     advantages[0, 6:] = 0.0
     probe_by = torch.rand(8, 10, generator=gen)  # (B, T)

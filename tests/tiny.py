@@ -130,3 +130,24 @@ def frozen_test_batch(model, tokenizer, max_new_tokens: int, wins=(0,), losses=(
     rewards = torch.tensor([3.0 if zlib.crc32(t.encode()) % 2 else -1.0 for t in rollout.texts])
     rewards[list(wins)], rewards[list(losses)] = 3.0, -1.0
     return FrozenBatch(puzzles, rollout, rewards, group_advantages(rewards, 4), 1.0)
+
+
+def lora_update_rollout(model_dir, dtype: str = "float32", temperature: float = 0.7):
+    """A LoRA policy (r 4) in ``dtype`` from ``model_dir`` and a frozen 8-row rollout, 2 prompts x 4 of random tokens
+    (6 prompt, 10 response), with pi_old from the policy at ``temperature``: an update's inputs without a decode."""
+    from lopti_lab.models import LoraSpec, load_policy
+    from lopti_lab.rollout import Rollout, response_logprobs
+
+    torch.manual_seed(0)
+    model, _ = load_policy(str(model_dir), LoraSpec(r=4), dtype=dtype, device="cpu")
+    gen = torch.Generator().manual_seed(3)
+    prompt_ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=gen).repeat_interleave(4, 0)  # (B, P)
+    response_ids = torch.randint(0, model.config.vocab_size, (8, 10), generator=gen)  # (B, T)
+    response_mask = torch.ones(8, 10)
+    rollout = Rollout(prompt_ids, torch.ones_like(prompt_ids), response_ids, response_mask, [""] * 8, 4,
+                      torch.ones(8, dtype=torch.bool))  # fmt: skip
+    with torch.no_grad():
+        rollout.old_logp, _ = response_logprobs(
+            model, rollout.input_ids, rollout.attention_mask, response_mask, temperature
+        )
+    return model, rollout
