@@ -292,8 +292,12 @@ def confirmatory(primary: pd.DataFrame, curves: pd.DataFrame) -> Readout:
             f"{verdict}; at 80% power it could detect {100 * r.detectable:.1f} points"
         )
     sentences.append("Pre-registered, paired by seed, Holm-corrected over the three: " + "; ".join(parts) + ".")
+
+    def named(rows: pd.DataFrame) -> list[str]:
+        return [f"{r.method} at {r.column.removesuffix('ppl')} people" for r in rows.itertuples()]
+
     separate = primary[primary["holm_reject"]]
-    names = [f"{r.method} at {r.column.removesuffix('ppl')} people" for r in separate.itertuples()]
+    names = named(separate)
     sentences.append(
         f"Separating after the correction, {len(separate)} of {len(primary)}: {', '.join(names)}."
         if names
@@ -302,13 +306,12 @@ def confirmatory(primary: pd.DataFrame, curves: pd.DataFrame) -> Readout:
     )
     alone = primary[~primary["holm_reject"] & (primary["p"] <= 0.05)]
     if len(alone):  # the correction, not the interval, decides them: say so rather than leave "does not separate"
-        names = [f"{r.method} at {r.column.removesuffix('ppl')} people" for r in alone.itertuples()]
+        names, one = named(alone), len(alone) == 1
+        listed = names[0] if one else f"{', '.join(names[:-1])} and {names[-1]}"
         sentences.append(
-            f"Taken alone (uncorrected), the 95% interval{'' if len(alone) == 1 else 's'} of "
-            f"{', '.join(names[:-1]) + ' and ' if len(names) > 1 else ''}{names[-1]} "
-            f"{'excludes' if len(alone) == 1 else 'exclude'} 0: "
-            f"{'it fails' if len(alone) == 1 else 'they fail'} only the pre-registered correction over the "
-            f"{len(primary)} comparisons."
+            f"Taken alone (uncorrected), the 95% interval{'' if one else 's'} of {listed} exclude{'s' if one else ''} "
+            f"0: {'it fails' if one else 'they fail'} only the pre-registered correction over the {len(primary)} "
+            "comparisons."
         )
     return _say(*sentences)
 

@@ -314,15 +314,16 @@ class GradientProbe:
         forward's own."""
         mask = _check_mask(mask)
         probs = _check_probs(probs, mask)
-        counted_probs, counted = (probs, mask) if census is None else census
-        counted = _check_mask(counted)
-        counted_probs = _check_probs(counted_probs, counted)
         self._close()
         bin_of = bin_index(probs, self.bins)  # (B, T)
+        counted_bins, counted = bin_of, mask
+        if census is not None:  # (B', T') tokens counted, beside the (B, T) the forward runs
+            counted = _check_mask(census[1])
+            counted_bins = bin_index(_check_probs(census[0], counted), self.bins)
         group = torch.where(mask, bin_of, self.K)  # (B, T): masked-out tokens' positions are context
         last = torch.full_like(group[:, :1], self.K)  # (B, 1): the last input position predicts nothing
         self._groups = torch.cat([group, last], dim=1)  # (B, T + 1): groups of input positions L-T-1 .. L-1
-        self._token_counts.append(torch.bincount(bin_index(counted_probs, self.bins)[counted], minlength=self.K))
+        self._token_counts.append(torch.bincount(counted_bins[counted], minlength=self.K))
         self._layouts, self._weak_calls = {}, {}
         # output-gradient hooks of graphs already freed need no removal: keep a long-attached probe's list short
         self._tensor_handles = [h for h in self._tensor_handles if h.hooks_dict_ref() is not None]
