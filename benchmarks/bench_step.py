@@ -335,14 +335,15 @@ def main() -> None:
         report(threads, rates, results, shape, cfg, passes, log_ratio)
         roofline_report(rates, reads, results, shape, cfg)
         for path, pairs in probed.items():
+            if not pairs:  # no --probe
+                continue
             for i, what in enumerate(("with its float64 shift (probe_shift)", "the gradient shares alone")):
                 ratios = [pair[i] for pair in pairs]
                 print(f"  {path} probe step {what} / plain step (wall): median {statistics.median(ratios):.2f}x, "
                       f"range {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} steps")  # fmt: skip
-            if pairs:
-                plain, probed_update, shift, step = (statistics.median(p[i] for p in parts[path]) for i in range(4))
-                print(f"    where it goes (CPU s, medians): update {plain:.2f} plain, {probed_update:.2f} with the "
-                      f"probe's hooks; float64 shift forwards {shift:.2f}; plain step {step:.2f}")  # fmt: skip
+            plain, probed_update, shift, step = (statistics.median(p[i] for p in parts[path]) for i in range(4))
+            print(f"    where it goes (CPU s, medians): update {plain:.2f} plain, {probed_update:.2f} with the "
+                  f"probe's hooks; float64 shift forwards {shift:.2f}; plain step {step:.2f}")  # fmt: skip
 
 
 def report(threads, rates, results, shape, cfg, passes, log_ratio) -> None:

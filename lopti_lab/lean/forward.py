@@ -21,7 +21,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, apply_rotary_pos_emb, repeat_kv
+from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
 __all__ = [
     "SEGMENT",
@@ -80,16 +80,28 @@ def lean_unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
+def rotary(lm, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin (b, 1, s, D) for positions (b, s), for ``layer_input``'s rotation. HF's
+    ``apply_rotary_pos_emb`` computes q cos + rotate_half(q) sin, rotate_half(q) = [-q2 | q1]; that is
+    roll(q, D / 2) x [-sin1 | sin2], the same products and sums bit for bit (and in backward: roll's adjoint is the
+    inverse roll), without the negation and concatenation of every q and k on each call."""
+    cos, sin = lm.rotary_emb(x, positions)  # (b, s, D) each
+    half = sin.shape[-1] // 2
+    sign = torch.cat([-torch.ones(half), torch.ones(sin.shape[-1] - half)]).to(sin)  # (D,)
+    return cos[:, None], (sin * sign)[:, None]
+
+
 def layer_input(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q (b, H, s, D) and k, v (b, K, s, D) of a decoder layer for hidden states x (b, s, E), rotary applied."""
+    """q (b, H, s, D) and k, v (b, K, s, D) of a decoder layer for hidden states x (b, s, E), rotary applied with
+    ``rotary``'s cos and signed sin (b, 1, s, D)."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     shape = (*x.shape[:-1], -1, attn.head_dim)
+    half = attn.head_dim // 2
     q = attn.q_proj(h).view(shape).transpose(1, 2)  # (b, H, s, D)
     k = attn.k_proj(h).view(shape).transpose(1, 2)  # (b, K, s, D)
     v = attn.v_proj(h).view(shape).transpose(1, 2)  # (b, K, s, D)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    return q, k, v
+    return q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin, v
 
 
 def layer_output(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -100,9 +112,9 @@ def layer_output(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor
 
 def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Masked attention of queries (b, H, s, D) over keys (b, K, L, D); allowed: bool, broadcast to (b, 1, s, L)."""
-    groups = layer.self_attn.num_key_value_groups
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (b, H, L, D), as HF's SDPA path does with a mask
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=layer.self_attn.scaling)
+    # a key/value head serves its H / K query heads inside the kernel: HF's SDPA path repeats k and v to H heads
+    # first (repeat_kv), a copy forward and a sum backward, for the same products
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=layer.self_attn.scaling, enable_gqa=True)
 
 
 def attend_one(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -133,7 +145,7 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     (n, K, P, D). Prompts are left-padded, so the last position is every prompt's last real token."""
     lm = causal_lm(model).model
     x = lm.embed_tokens(prompt_ids)  # (n, P, E)
-    cos, sin = lm.rotary_emb(x, prompt_positions(prompt_mask))
+    cos, sin = rotary(lm, x, prompt_positions(prompt_mask))
     allowed = prompt_allowed(prompt_mask)
     cache = []
     for layer in lm.layers:
@@ -176,7 +188,7 @@ def shared_prompt_logits(
     shared_ids, shared_mask = prompt_ids[:, : prompt_ids.shape[1] - cut], prompt_mask[:, : prompt_mask.shape[1] - cut]
     with _segment(("context",) if own_last else None):
         x_prompt = lm.embed_tokens(shared_ids)  # (n, P - cut, E)
-    prompt_geometry = (*lm.rotary_emb(x_prompt, prompt_positions(shared_mask)), prompt_allowed(shared_mask), own_last)
+    prompt_geometry = (*rotary(lm, x_prompt, prompt_positions(shared_mask)), prompt_allowed(shared_mask), own_last)
     buckets = length_buckets(lengths.clamp(min=1))
     xs, geometries = [], []
     for rows in buckets:
@@ -231,7 +243,7 @@ def _response_geometry(lm, x: torch.Tensor, prompt_mask: torch.Tensor, row_promp
     n_fed = x.shape[1]
     start = prompt_mask.long().sum(1)[row_prompt]  # (b,)
     positions = start[:, None] + torch.arange(n_fed, device=x.device)[None]  # (b, t')
-    cos, sin = lm.rotary_emb(x, positions)
+    cos, sin = rotary(lm, x, positions)
     causal = torch.ones(n_fed, n_fed, dtype=torch.bool, device=x.device).tril()  # (t', t')
     see_prompt = prompt_mask.bool()[row_prompt][:, None, :].expand(-1, n_fed, -1)  # (b, t', P)
     allowed = torch.cat([see_prompt, causal[None].expand(len(row_prompt), -1, -1)], dim=2)[:, None]  # (b, 1, t', L)
