@@ -397,3 +397,46 @@ def test_length_buckets():
     lengths = torch.randint(1, 200, (64,), generator=torch.Generator().manual_seed(0))
     assert sorted(torch.cat(length_buckets(lengths)).tolist()) == list(range(64))
     assert len(length_buckets(torch.full((8,), 5))) == 1
+
+
+@pytest.mark.parametrize("shape", ["gqa-tied", "mha-head_dim", "linear-rope"])
+def test_lean_layer_input_is_hfs_rotary_and_attention(shape):
+    """``forward.layer_input`` rotates q and k as roll(x, D / 2) x signed sin: HF's apply_rotary_pos_emb bit for bit,
+    values and gradients (the same products, summed in the same order); ``attend`` lets SDPA serve a key/value head's
+    query heads (GQA) instead of copying k and v to every head as HF's repeat_kv does: the same softmax, to float32
+    rounding. A wrong sign or a roll by the wrong amount moves every value by O(1)."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb, repeat_kv
+
+    from lopti_lab.lean.forward import attend, layer_input, prompt_allowed, prompt_positions, rotary
+
+    model = qwen2(64, SHAPES[shape])
+    core, layer = model.model, model.model.layers[0]
+    attn = layer.self_attn
+    torch.manual_seed(0)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :4] = 0  # a left-padded row: positions start later
+    x = torch.randn(3, 9, core.config.hidden_size, requires_grad=True)
+    q, k, v = layer_input(layer, x, *rotary(core, x, prompt_positions(mask)))
+
+    x_hf = x.detach().clone().requires_grad_(True)
+    h = layer.input_layernorm(x_hf)
+    shape_ = (3, 9, -1, attn.head_dim)
+    q_hf, k_hf = apply_rotary_pos_emb(
+        attn.q_proj(h).view(shape_).transpose(1, 2),
+        attn.k_proj(h).view(shape_).transpose(1, 2),
+        *core.rotary_emb(x_hf, prompt_positions(mask)),
+    )
+    assert torch.equal(q, q_hf) and torch.equal(k, k_hf)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    torch.autograd.backward([q, k], [gq, gk])
+    torch.autograd.backward([q_hf, k_hf], [gq, gk])
+    assert torch.equal(x.grad, x_hf.grad)
+
+    allowed = prompt_allowed(mask)
+    groups = attn.num_key_value_groups
+    with torch.no_grad():
+        ours = attend(layer, q, k, v, allowed)
+        theirs = torch.nn.functional.scaled_dot_product_attention(
+            q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=allowed, scale=attn.scaling
+        )
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
