@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -56,7 +57,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, unless PYTHONPATH names another
+if not os.environ.get("PYTHONPATH"):  # this checkout, unless PYTHONPATH names another (a before / after timing)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lopti_lab.trainer as trainer
 from lopti_lab.kk import load_split
