@@ -225,9 +225,8 @@ class _TokenLogprobs(torch.autograd.Function):
 
 CHUNK_ELEMENTS = {"cpu": 2**20, "accelerator": 2**25}
 """Logits per chunk of ``token_logprobs``. On a CPU a chunk's float32 buffers (4 MiB) stay in a core's L2 cache
-through the chunk's four or five passes: forward and backward of (10,000 x 1,024) logits, 1 thread, took 64-86 ms
-in chunks of 2**20 against 209-245 ms in chunks of 2**25, and 0.69 s against 1.91 s on (600 x 151,936) (benchmarks/
-README.md). On a GPU a chunk is a few kernel launches, and big chunks keep them few."""
+through the chunk's passes, so only the first reads memory (``benchmarks/bench_logprobs.py``); on a GPU a chunk is a
+few kernel launches, and big chunks keep them few."""
 
 
 def token_logprobs(

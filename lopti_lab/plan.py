@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lopti_lab.models import check_model_name, model_path
+from lopti_lab.objective import CHUNK_ELEMENTS
 from lopti_lab.paths import data_dir
 from lopti_lab.probes.float64 import TOKEN_CHUNK, VOCAB_CHUNK
 from lopti_lab.train_config import TrainConfig
@@ -48,8 +49,6 @@ __all__ = [
 GiB = 2**30
 PROMPT_TOKENS = 400
 """Prompt length when ``TrainConfig.max_prompt_tokens`` is None: the paper's cap on K&K prompts."""
-LOGPROB_CHUNK = 2**25
-"""``objective.token_logprobs``'s default chunk: the float32 (rows, V) softmax exists this many elements at a time."""
 CONTEXT_BYTES = GiB // 2
 """Held back from each GPU's memory: the CUDA context, cuBLAS workspaces and allocator slack (~0.3-0.5 GiB)."""
 
@@ -252,10 +251,11 @@ def _layer_working(m: ModelShape) -> int:
     return 3 * m.intermediate + 2 * m.hidden
 
 
-def _logprob_chunk(rows_tokens: int, vocab: int, copies: int) -> int:
-    """float32 bytes of ``token_logprobs``'s live chunks: min(all rows, a chunk) x V, ``copies`` at once, one more
-    when there are several chunks (the loop's previous chunk lives until its variable is reassigned)."""
-    chunk_rows = max(1, LOGPROB_CHUNK // vocab)
+def _logprob_chunk(rows_tokens: int, vocab: int, copies: int, chunk: int) -> int:
+    """float32 bytes of ``token_logprobs``'s live chunks: min(all rows, a chunk of ``chunk`` logits) x V, ``copies``
+    at once, one more when there are several chunks (the loop's previous chunk lives until its variable is
+    reassigned)."""
+    chunk_rows = max(1, chunk // vocab)
     copies += rows_tokens > chunk_rows
     return min(rows_tokens, chunk_rows) * vocab * 4 * copies
 
@@ -276,11 +276,11 @@ def _generate(m: ModelShape, b: int, rows: int, prompt: int, new: int) -> list[C
     ]  # fmt: skip
 
 
-def _logprob(m: ModelShape, b: int, rows: int, prompt: int, new: int) -> list[Component]:
+def _logprob(m: ModelShape, b: int, rows: int, prompt: int, new: int, chunk: int) -> list[Component]:
     s, kept = prompt + new, rows * (new + 1)
     # pi_old with its entropy: the float32 scaled chunk, its softmax and their product; the layers ran before the
     # logits exist, one at a time (no grad: each frees its input)
-    chunks = _logprob_chunk(kept, m.vocab, 3)
+    chunks = _logprob_chunk(kept, m.vocab, 3, chunk)
     layer = rows * s * _layer_working(m) * b
     return [
         Component("logits (no grad)", "logprob", kept * m.vocab * b, f"{rows} rows x (T + 1) x V x b"),
@@ -289,13 +289,13 @@ def _logprob(m: ModelShape, b: int, rows: int, prompt: int, new: int) -> list[Co
     ]  # fmt: skip
 
 
-def _update(cfg: TrainConfig, m: ModelShape, b: int, rows: int, prompt: int, new: int) -> list[Component]:
+def _update(cfg: TrainConfig, m: ModelShape, b: int, rows: int, prompt: int, new: int, chunk: int) -> list[Component]:
     s, kept = prompt + new, rows * (new + 1)
     trainable = m.lora_params(cfg.lora_r, cfg.lora_targets) if cfg.lora_r is not None else m.n_params()
     layer = rows * s * _layer_activations(m) * b
     # _TokenLogprobs saves the logits in their dtype; its backward, the first to run, makes their gradient
     # (empty_like) and holds the float32 softmax, its product with the gradient and the scaled result of one chunk
-    logits = 2 * kept * m.vocab * b + _logprob_chunk(kept, m.vocab, 3)
+    logits = 2 * kept * m.vocab * b + _logprob_chunk(kept, m.vocab, 3, chunk)
     # a layer's backward holds the gradients of its MLP's intermediates (2i) and of the residual stream (2h)
     backward = rows * s * (2 * m.intermediate + 2 * m.hidden) * b
     if cfg.gradient_checkpointing:  # one hidden state per layer; one layer's activations exist only in its recompute,
@@ -316,12 +316,12 @@ def _update(cfg: TrainConfig, m: ModelShape, b: int, rows: int, prompt: int, new
     ]
 
 
-def _probe(cfg: TrainConfig, m: ModelShape, b: int, rows: int, prompt: int, new: int) -> list[Component]:
+def _probe(cfg: TrainConfig, m: ModelShape, b: int, rows: int, prompt: int, new: int, chunk: int) -> list[Component]:
     if cfg.probe_every <= 0:
         return []
     q = m.heads * m.head_dim
     extra = rows * (prompt + new) * (2 * m.hidden + q + m.intermediate) * b  # q/k/v, o, gate/up, down inputs
-    return [*(replace(c, phase="probe") for c in _update(cfg, m, b, rows, prompt, new)),
+    return [*(replace(c, phase="probe") for c in _update(cfg, m, b, rows, prompt, new, chunk)),
             Component("probe: one layer's LoRA inputs", "probe", extra, "rows x S x (2h + q + i) x b")]  # fmt: skip
 
 
@@ -380,12 +380,13 @@ def estimate(
     device = _gpu(gpu)
     b = dtype_bytes(cfg, on_gpu=gpu is not None)
     prompt, new, gen_rows, lp_rows, micro = _sizes(cfg, prompt_tokens)
+    chunk = CHUNK_ELEMENTS["cpu" if gpu is None else "accelerator"]  # token_logprobs' chunk of logits there
     components = [
         *_resident(cfg, m, b),
         *_generate(m, b, gen_rows, prompt, new),
-        *_logprob(m, b, lp_rows, prompt, new),
-        *_update(cfg, m, b, micro, prompt, new),
-        *_probe(cfg, m, b, micro, prompt, new),
+        *_logprob(m, b, lp_rows, prompt, new, chunk),
+        *_update(cfg, m, b, micro, prompt, new, chunk),
+        *_probe(cfg, m, b, micro, prompt, new, chunk),
         *_shift(cfg, m, lp_rows, prompt, new),
     ]
     return MemoryPlan(tuple(components), label=device.label if device else "CPU")
