@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from lopti_lab.lean.forward import causal_lm, prefill
+from lopti_lab.lean.forward import causal_lm, prefill, rotate, rotation_sign
 
 __all__ = ["DEAD_SHARE", "DRAWS", "Decoded", "lean_generate", "pick_tokens", "top_p_filter"]
 
@@ -220,8 +220,7 @@ class _Layers:
         config = core.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = core.layers[0].self_attn.head_dim
-        half = self.head_dim // 2
-        self.sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(core.embed_tokens.weight)
+        self.sign = rotation_sign(self.head_dim, core.embed_tokens.weight)  # (D,)
         self.layers = []
         for layer in core.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -250,7 +249,7 @@ class _Layers:
         for i, (norm1, qkv, o_proj, norm2, gate_up, act, down, scaling) in enumerate(self.layers):
             projected = qkv(norm1(x)).view(b, H + 2 * K, D)  # (b, H + 2K, D): [q | k | v] heads
             qk = projected[:, : H + K]
-            qk = qk * cos + qk.roll(D // 2, -1) * sin  # (b, H + K, D) rotary, HF's apply_rotary_pos_emb
+            qk = rotate(qk, cos, sin)  # (b, H + K, D) rotary, HF's apply_rotary_pos_emb
             cache.keys[i][:, :, column] = qk[:, H:]
             cache.values[i][:, :, column] = projected[:, H + K :]
             grouped = qk[:, :H].view(b, K, H // K, D)  # a key/value head's query heads as rows of one matrix

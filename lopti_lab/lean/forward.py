@@ -80,15 +80,23 @@ def lean_unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
+def rotation_sign(head_dim: int, like: torch.Tensor) -> torch.Tensor:
+    """(D,) -1 on the first half, +1 on the second: HF's apply_rotary_pos_emb computes x cos + rotate_half(x) sin with
+    rotate_half(x) = [-x2 | x1], which is roll(x, D / 2) x (sign x sin), the same products and sums bit for bit (and
+    in backward: roll's adjoint is the inverse roll), without a negation and a concatenation of every q and k."""
+    half = head_dim // 2
+    return torch.cat([-torch.ones(half), torch.ones(head_dim - half)]).to(like)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of x (..., D): x cos + roll(x, D / 2) x signed_sin (``rotation_sign``)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
 def rotary(lm, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin (b, 1, s, D) for positions (b, s), for ``layer_input``'s rotation. HF's
-    ``apply_rotary_pos_emb`` computes q cos + rotate_half(q) sin, rotate_half(q) = [-q2 | q1]; that is
-    roll(q, D / 2) x [-sin1 | sin2], the same products and sums bit for bit (and in backward: roll's adjoint is the
-    inverse roll), without the negation and concatenation of every q and k on each call."""
+    """cos and signed sin (b, 1, s, D) for positions (b, s), as ``layer_input`` takes them."""
     cos, sin = lm.rotary_emb(x, positions)  # (b, s, D) each
-    half = sin.shape[-1] // 2
-    sign = torch.cat([-torch.ones(half), torch.ones(sin.shape[-1] - half)]).to(sin)  # (D,)
-    return cos[:, None], (sin * sign)[:, None]
+    return cos[:, None], (sin * rotation_sign(sin.shape[-1], sin))[:, None]
 
 
 def layer_input(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -97,11 +105,10 @@ def layer_input(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     shape = (*x.shape[:-1], -1, attn.head_dim)
-    half = attn.head_dim // 2
     q = attn.q_proj(h).view(shape).transpose(1, 2)  # (b, H, s, D)
     k = attn.k_proj(h).view(shape).transpose(1, 2)  # (b, K, s, D)
     v = attn.v_proj(h).view(shape).transpose(1, 2)  # (b, K, s, D)
-    return q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin, v
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
 def layer_output(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
