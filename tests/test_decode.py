@@ -399,6 +399,42 @@ def test_length_buckets():
     assert len(length_buckets(torch.full((8,), 5))) == 1
 
 
+def test_lean_rms_norm_is_hfs_forward_with_an_exact_backward():
+    """``forward.norm``: a float32 Qwen2RMSNorm's values bit for bit, and gradients (input and weight) as close to a
+    float64 computation as autograd through HF's composite gets; any other norm (a hook on it, its forward replaced,
+    bf16 weights) is the module itself. A backward missing the mean term is off by O(1)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from lopti_lab.lean.forward import norm
+
+    torch.manual_seed(0)
+    module = Qwen2RMSNorm(96, eps=1e-6)
+    module.weight.data.normal_(1.0, 0.3)
+    x, grad = torch.randn(4, 7, 96) * 3, torch.randn(4, 7, 96)
+
+    def run(f):  # f None: the float64 computation
+        x_ = x.clone().to(torch.float64 if f is None else torch.float32).requires_grad_(True)
+        weight = module.weight if f is not None else module.weight.detach().double().requires_grad_(True)
+        out = f(x_) if f is not None else weight * x_ * torch.rsqrt(x_.pow(2).mean(-1, keepdim=True) + 1e-6)
+        weight.grad = None
+        (out * grad.to(out.dtype)).sum().backward()
+        return out.detach(), x_.grad.double(), weight.grad.double()
+
+    fast = norm(module)
+    assert fast is not module
+    (y_hf, gx_hf, gw_hf), (y, gx, gw), (_, gx_64, gw_64) = run(module), run(fast), run(None)
+    assert torch.equal(y, y_hf)
+    for ours, hf, exact in ((gx, gx_hf, gx_64), (gw, gw_hf, gw_64)):
+        assert (ours - exact).abs().max() <= 2 * (hf - exact).abs().max() + 1e-6 * exact.abs().max()
+    hook = module.register_forward_hook(lambda m, args, out: None)
+    assert norm(module) is module
+    hook.remove()
+    module.forward = module.forward  # replaced on the instance, as the float64 probe does
+    assert norm(module) is module
+    del module.forward
+    assert norm(module.to(torch.bfloat16)) is module
+
+
 @pytest.mark.parametrize("shape", ["gqa-tied", "mha-head_dim", "linear-rope"])
 def test_lean_layer_input_is_hfs_rotary_and_attention(shape):
     """``forward.layer_input`` rotates q and k as roll(x, D / 2) x signed sin: HF's apply_rotary_pos_emb bit for bit,
@@ -416,7 +452,11 @@ def test_lean_layer_input_is_hfs_rotary_and_attention(shape):
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, :4] = 0  # a left-padded row: positions start later
     x = torch.randn(3, 9, core.config.hidden_size, requires_grad=True)
+    # a hook on the norm makes layer_input call the module (lean.forward.norm), so the gradients below are HF's norm
+    # backward's on both sides and the rotary's own backward is compared bit for bit (the norm's: test_lean_rms_norm)
+    hook = layer.input_layernorm.register_forward_hook(lambda module, args, out: None)
     q, k, v = layer_input(layer, x, *rotary(core, x, prompt_positions(mask)))
+    hook.remove()
 
     x_hf = x.detach().clone().requires_grad_(True)
     h = layer.input_layernorm(x_hf)

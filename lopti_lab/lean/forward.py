@@ -5,9 +5,11 @@ token pays for a growing, re-concatenated KV cache.
     reason = lean_unsupported(model)           # None, or why the HF path must be used
     logits = shared_prompt_logits(model, prompt_ids, prompt_mask, row_prompt, response_ids)  # (B, T, V)
 
-Only the attention is written here. Embeddings, RMSNorms, the q/k/v/o projections (LoRA layers included), the rotary
-embedding and the MLP are the model's own modules, called as its forward calls them, so the arithmetic is HF's up to
-the attention kernel's rounding (tests/test_decode.py compares tokens, log-probs and gradients with HF).
+Only the attention and the RMSNorm's backward are written here. Embeddings, the q/k/v/o projections (LoRA layers
+included), the rotary embedding and the MLP are the model's own modules, called as its forward calls them; a plain
+float32 RMSNorm computes HF's forward with a backward written out (``norm``). So the values are HF's up to the
+attention kernel's rounding, the gradients up to float32 rounding (tests/test_decode.py compares tokens, log-probs
+and gradients with HF).
 
 Shape legend: n prompts, B rows (each row answers one prompt; a prompt's rows are any subset), P prompt tokens
 (left-padded), T response tokens, H query heads, K key/value heads, D head dim, E hidden size, V vocabulary.
@@ -21,7 +23,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, Qwen2RMSNorm
 
 __all__ = [
     "SEGMENT",
@@ -30,6 +32,7 @@ __all__ = [
     "layer_input",
     "layer_output",
     "lean_unsupported",
+    "norm",
     "prefill",
     "shared_prompt_logits",
 ]
@@ -80,6 +83,45 @@ def lean_unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
+class _RMSNorm(torch.autograd.Function):
+    """HF's float32 RMSNorm, y = w x r with r = rsqrt(mean(x^2) + eps), its forward the same operations in the same
+    order (bit for bit), its backward written out: dx = r (g w - n mean(g w n)) with n = x r, dw = sum over rows of
+    g n. Autograd through HF's composite runs about 14 elementwise passes over the hidden states backward (pow,
+    mean, rsqrt and two products, each differentiated) and keeps x, r and n; this runs 8 and keeps n and r."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        n = x * r
+        ctx.save_for_backward(n, r, weight)
+        return weight * n
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        n, r, weight = ctx.saved_tensors
+        grad_n = grad * weight  # (..., E)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_n.sub_(n * (grad_n * n).mean(-1, keepdim=True)).mul_(r)  # in place: grad_n is ours
+        grad_w = (grad * n).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+def norm(module: torch.nn.Module):
+    """A function of x computing ``module(x)``: ``_RMSNorm`` (the same values, a cheaper backward) for a float32
+    Qwen2RMSNorm called as its class defines it (no hook, no forward replaced on the instance: the float64 probe
+    replaces it), else the module itself."""
+    weight = getattr(module, "weight", None)
+    plain = type(module) is Qwen2RMSNorm and "forward" not in vars(module)
+    if not plain or module._forward_hooks or module._forward_pre_hooks or weight.dtype != torch.float32:
+        return module
+
+    def rms_norm(x: torch.Tensor) -> torch.Tensor:
+        return _RMSNorm.apply(x, weight, module.variance_epsilon) if x.dtype == torch.float32 else module(x)
+
+    return rms_norm
+
+
 def rotation_sign(head_dim: int, like: torch.Tensor) -> torch.Tensor:
     """(D,) -1 on the first half, +1 on the second: HF's apply_rotary_pos_emb computes x cos + rotate_half(x) sin with
     rotate_half(x) = [-x2 | x1], which is roll(x, D / 2) x (sign x sin), the same products and sums bit for bit (and
@@ -103,7 +145,7 @@ def layer_input(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q (b, H, s, D) and k, v (b, K, s, D) of a decoder layer for hidden states x (b, s, E), rotary applied with
     ``rotary``'s cos and signed sin (b, 1, s, D)."""
     attn = layer.self_attn
-    h = layer.input_layernorm(x)
+    h = norm(layer.input_layernorm)(x)
     shape = (*x.shape[:-1], -1, attn.head_dim)
     q = attn.q_proj(h).view(shape).transpose(1, 2)  # (b, H, s, D)
     k = attn.k_proj(h).view(shape).transpose(1, 2)  # (b, K, s, D)
@@ -114,11 +156,12 @@ def layer_input(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 def layer_output(layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     """The rest of a decoder layer: o_proj of the attention output (b, H, s, D), residual, MLP, residual."""
     x = x + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(*x.shape[:-1], -1))  # (b, s, E)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return x + layer.mlp(norm(layer.post_attention_layernorm)(x))
 
 
 def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Masked attention of queries (b, H, s, D) over keys (b, K, L, D); allowed: bool, broadcast to (b, 1, s, L)."""
+    """Masked attention of queries (b, H, s, D) over keys (b, K, L, D); allowed, broadcast to (b, 1, s, L): bool, or
+    ``additive``'s float mask (the same attention, without SDPA converting the bool mask at every call)."""
     # a key/value head serves its H / K query heads inside the kernel: HF's SDPA path repeats k and v to H heads
     # first (repeat_kv), a copy forward and a sum backward, for the same products
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=layer.self_attn.scaling, enable_gqa=True)
@@ -139,6 +182,12 @@ def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, P)
 
 
+def additive(allowed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A bool attention mask as the float mask SDPA turns it into (0 where allowed, -inf elsewhere, ``like``'s dtype),
+    made once per forward rather than by SDPA in each layer's call, forward and backward."""
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=allowed.device).masked_fill_(~allowed, -float("inf"))
+
+
 def prompt_allowed(mask: torch.Tensor) -> torch.Tensor:
     """(b, 1, P, P) bool: causal, real keys only; a padding query sees itself, so no row of the softmax is empty."""
     P = mask.shape[1]
@@ -153,13 +202,13 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     lm = causal_lm(model).model
     x = lm.embed_tokens(prompt_ids)  # (n, P, E)
     cos, sin = rotary(lm, x, prompt_positions(prompt_mask))
-    allowed = prompt_allowed(prompt_mask)
+    allowed = additive(prompt_allowed(prompt_mask), x)
     cache = []
     for layer in lm.layers:
         q, k, v = layer_input(layer, x, cos, sin)
         cache.append((k, v))
         x = layer_output(layer, x, attend(layer, q, k, v, allowed))
-    return lm.norm(x[:, -1]), cache  # (n, E), [(n, K, P, D) x 2] per layer
+    return norm(lm.norm)(x[:, -1]), cache  # (n, E), [(n, K, P, D) x 2] per layer
 
 
 def shared_prompt_logits(
@@ -195,7 +244,8 @@ def shared_prompt_logits(
     shared_ids, shared_mask = prompt_ids[:, : prompt_ids.shape[1] - cut], prompt_mask[:, : prompt_mask.shape[1] - cut]
     with _segment(("context",) if own_last else None):
         x_prompt = lm.embed_tokens(shared_ids)  # (n, P - cut, E)
-    prompt_geometry = (*rotary(lm, x_prompt, prompt_positions(shared_mask)), prompt_allowed(shared_mask), own_last)
+    allowed = additive(prompt_allowed(shared_mask), x_prompt)
+    prompt_geometry = (*rotary(lm, x_prompt, prompt_positions(shared_mask)), allowed, own_last)
     buckets = length_buckets(lengths.clamp(min=1))
     xs, geometries = [], []
     for rows in buckets:
@@ -221,7 +271,7 @@ def shared_prompt_logits(
     order = torch.cat(buckets)
     hidden = hidden[torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))]
     with _segment(("rows", torch.arange(len(order), device=order.device)) if own_last else None):
-        return causal_lm(model).lm_head(lm.norm(hidden))  # (B, T, V) in row order
+        return causal_lm(model).lm_head(norm(lm.norm)(hidden))  # (B, T, V) in row order
 
 
 MAX_BUCKETS = 4
@@ -254,7 +304,7 @@ def _response_geometry(lm, x: torch.Tensor, prompt_mask: torch.Tensor, row_promp
     causal = torch.ones(n_fed, n_fed, dtype=torch.bool, device=x.device).tril()  # (t', t')
     see_prompt = prompt_mask.bool()[row_prompt][:, None, :].expand(-1, n_fed, -1)  # (b, t', P)
     allowed = torch.cat([see_prompt, causal[None].expand(len(row_prompt), -1, -1)], dim=2)[:, None]  # (b, 1, t', L)
-    return cos, sin, allowed, row_prompt
+    return cos, sin, additive(allowed, x), row_prompt
 
 
 def _shared_prompt_layer(layer, x_prompt, prompt_geometry, response_geometries, *xs):
