@@ -12,8 +12,9 @@ The step is `trainer.train_step` at a study's settings: ``--study demo`` (`studi
 max_new_tokens 640, minibatches of 32, GRPO) or ``--study hard`` (`HARD_TRAIN`: the lab-hard model, 4 puzzles x 8,
 minibatches of 16), no probe unless ``--probe``, run with ``fast_path="hf"`` (HF generate, a log-prob forward, HF
 forwards in the update: the code before the lean path) and / or ``fast_path="lean"``, alternating step by step from
-identical weights on the same puzzles, one warm-up step each. Phases are CPU and wall seconds of the wrapped
-``sample`` / ``add_logprobs`` / ``update_policy`` calls; figures are medians over the measured steps.
+identical weights on the same puzzles (a seed-0 run's first, in its order), one warm-up step each. Phases are CPU
+and wall seconds of the wrapped ``sample`` / ``add_logprobs`` / ``update_policy`` calls; figures are medians over the
+measured steps.
 
 The floor of a phase is its matmul FLOP (linear layers, attention's QK^T and AV, the lm_head where logits are
 taken; elementwise work left out) on the step's real tokens (padding left out), divided by this machine's fp32 GEMM
@@ -55,6 +56,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 if not os.environ.get("PYTHONPATH"):  # this checkout, unless PYTHONPATH names another (a before / after timing)
@@ -285,6 +287,9 @@ def main() -> None:
     base = lab if args.model == "lab" else wide_model(tokenizer)
     cfg = study_config(args.study)
     puzzles = load_split("train", cfg.train_people)
+    # in a seed-0 run's order (trainer.PuzzleStream): the split's files are by people count, so taken as they are the
+    # first steps would all be two-person puzzles, whose responses are about half as long as the demo's mix
+    puzzles = [puzzles[i] for i in np.random.default_rng([0, 0]).permutation(len(puzzles))]
     shape = Shape.of(base.config, base)
     n_params = sum(p.numel() for p in base.parameters())
     passes = cfg.ppo_epochs  # GRPO: one stage

@@ -21,6 +21,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 
 from lopti_lab.lean import decode
 from lopti_lab.lean.decode import DRAWS, lean_generate, pick_tokens, top_p_filter
+from lopti_lab.lean import forward as lean_forward
 from lopti_lab.lean.forward import lean_unsupported, length_buckets
 from lopti_lab.rollout import add_logprobs, response_logprobs, sample, use_lean
 
@@ -301,6 +302,7 @@ def test_shared_prompt_forward_equals_hf_forward_and_gradients(tok, variant, mon
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
     monkeypatch.setattr(Qwen2RMSNorm, "forward", rms_norm_in_float64)
+    monkeypatch.setattr(lean_forward, "BUCKET_TOKENS", 1)  # 16-token responses in several buckets, as long ones are
     model = qwen2(len(tok), SHAPES.get(variant, SHAPES["gqa-tied"]), torch.float64)
     if variant == "lora":
         from peft import LoraConfig, get_peft_model
@@ -394,6 +396,13 @@ def test_length_buckets():
     """The docstring's case, then: every row in exactly one bucket, and equal lengths stay one bucket."""
     buckets = length_buckets(torch.tensor([10, 90, 12, 88]))
     assert [b.tolist() for b in buckets] == [[0, 2], [3, 1]]
+    # the cut points are optimal: every split of the sorted rows into consecutive groups costs at least as much
+    lengths = torch.tensor([5, 40, 41, 90, 7, 300, 120, 33, 64, 250])
+    cost = lambda groups: sum(len(g) * int(lengths[g].max()) + 32 for g in groups)  # noqa: E731
+    order, best = lengths.argsort(), cost(length_buckets(lengths, 32))
+    for mask in range(2 ** (len(lengths) - 1)):
+        cuts = [i + 1 for i in range(len(lengths) - 1) if mask >> i & 1]
+        assert cost(list(order.tensor_split(cuts))) >= best
     lengths = torch.randint(1, 200, (64,), generator=torch.Generator().manual_seed(0))
     assert sorted(torch.cat(length_buckets(lengths)).tolist()) == list(range(64))
     assert len(length_buckets(torch.full((8,), 5))) == 1

@@ -53,6 +53,7 @@ def test_the_probe_splits_the_lean_forward_as_it_splits_hfs(tokenizer, monkeypat
         model.train()
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     calls = []
+    monkeypatch.setattr(lean_forward, "BUCKET_TOKENS", 1)  # short responses in several length buckets, as long ones
     real = lean_forward.shared_prompt_logits
     monkeypatch.setattr("lopti_lab.rollout.shared_prompt_logits", lambda *a, **k: calls.append(k) or real(*a, **k))
     lean, lean_grads = probe_table(model, batch, "lean")

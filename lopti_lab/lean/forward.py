@@ -20,6 +20,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -229,7 +230,7 @@ def shared_prompt_logits(
     A prompt's hidden states do not depend on the responses (causal attention), so computing them once and letting
     each response attend to them is the same function of the weights as B full forwards; autograd sums the G rows'
     gradients through the shared prompt, as the B forwards would. Saves (G - 1) / G of the prompt's work. The
-    responses run in up to MAX_BUCKETS groups of similar length (``length_buckets``), each only as long as its
+    responses run in groups of similar length (``length_buckets``), each only as long as its
     longest row, so short responses do not pay for the longest one's padding.
 
     ``own_last``: each row computes its prompt's last position itself (the one predicting response token 0), so every
@@ -274,24 +275,32 @@ def shared_prompt_logits(
         return causal_lm(model).lm_head(norm(lm.norm)(hidden))  # (B, T, V) in row order
 
 
-MAX_BUCKETS = 4
-"""At most this many response-length groups per shared-prompt forward (each costs a few more small ops per layer)."""
+BUCKET_TOKENS = 32
+"""What one more response-length group costs a shared-prompt forward, in padded tokens: its ~75 operations per layer
+(forward and backward) take about the time of 32 tokens' arithmetic on the lab model (benchmarks/README.md)."""
 
 
-def length_buckets(lengths: torch.Tensor, max_buckets: int = MAX_BUCKETS) -> list[torch.Tensor]:
-    """Row indices split into groups of similar length: the rows sorted by length, cut into k equal-count groups,
-    k the largest (up to max_buckets) that still cuts the padded tokens sum(rows x longest) by 10% over k - 1.
+def length_buckets(lengths: torch.Tensor, bucket_tokens: float | None = None) -> list[torch.Tensor]:
+    """Row indices split into groups of similar length, each run as long as its longest row: the split of the rows,
+    sorted by length, into consecutive groups that makes the padded tokens sum(rows x longest) plus bucket_tokens
+    per group (None: BUCKET_TOKENS) smallest (dynamic programming over the cut points, exact).
 
     Example: lengths (10, 90, 12, 88) -> [rows 0, 2], [rows 3, 1]: 2 x 12 + 2 x 90 = 204 padded tokens, not 360."""
+    bucket_tokens = BUCKET_TOKENS if bucket_tokens is None else bucket_tokens
     order = lengths.argsort(stable=True)
-    best, best_cost = [order], len(order) * int(lengths.max())
-    for k in range(2, min(max_buckets, len(order)) + 1):
-        parts = list(order.tensor_split(k))
-        cost = sum(len(part) * int(lengths[part].max()) for part in parts)
-        if cost > 0.9 * best_cost:
-            break
-        best, best_cost = parts, cost
-    return best
+    sorted_lengths = lengths[order].double().cpu().numpy()  # (n,) ascending
+    n = len(order)
+    # best[j]: the least cost of the first j sorted rows; a group of rows i..j-1 costs (j - i) x length[j - 1] + c
+    best, cut = np.zeros(n + 1), np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        costs = best[:j] + (j - np.arange(j)) * sorted_lengths[j - 1] + bucket_tokens  # (j,) over the cut i
+        cut[j] = int(np.argmin(costs))
+        best[j] = costs[cut[j]]
+    bounds, j = [], n
+    while j > 0:
+        bounds.append(j)
+        j = cut[j]
+    return list(order.tensor_split(sorted(bounds)[:-1]))
 
 
 def _response_geometry(lm, x: torch.Tensor, prompt_mask: torch.Tensor, row_prompt: torch.Tensor):
