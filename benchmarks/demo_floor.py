@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import Shape, gemm_rate, phase_flops  # noqa: E402
+from bench_step import Shape, gemm_rate, phase_flops
 
-from lopti_lab.kk import build_prompt, load_split  # noqa: E402
-from lopti_lab.models import load_policy  # noqa: E402
+from lopti_lab.kk import build_prompt, load_split
+from lopti_lab.models import load_policy
 
 
 def mean_prompt(tokenizer, split: str, people, style: str, limit: int | None = None) -> float:

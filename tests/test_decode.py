@@ -20,8 +20,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2F
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from lopti_lab.lean import decode
-from lopti_lab.lean.decode import DRAWS, lean_generate, pick_tokens, top_p_filter
 from lopti_lab.lean import forward as lean_forward
+from lopti_lab.lean.decode import DRAWS, lean_generate, pick_tokens, top_p_filter
 from lopti_lab.lean.forward import lean_unsupported, length_buckets
 from lopti_lab.rollout import add_logprobs, response_logprobs, sample, use_lean
 
