@@ -13,7 +13,7 @@ KV cache with ``torch.cat`` at every token was the largest single cost of HF's d
 - the rollout log-probabilities and entropies are read off the sampling logits, so no second forward is needed;
 - a token costs about 20 operations a layer (``_Layers``): [q | k | v] and [gate | up] each one matmul, RMSNorm one
   call, no per-token bookkeeping by boolean indexing; each is HF's arithmetic bit for bit (tests/test_decode.py);
-- optionally (DRAWS, evaluation), a sampled token is drawn by inverting its float64 cumulative distribution with
+- optionally (DRAWS), a sampled token is drawn by inverting its float64 cumulative distribution with
   one uniform per row, not by ``torch.multinomial``'s V exponential variates per row.
 
 The token selection is HF's arithmetic step by step: logits in float32, divided by the temperature, top-p as HF's
@@ -107,8 +107,9 @@ DRAWS = ("multinomial", "inverse_cdf")
 HF generate's draw, so the same seed gives HF's tokens (tests/test_decode.py) and the training runs' tokens stay
 what they were; it spends V exponential variates per row (1.6 ms a token at 64 rows x 1024 tokens on the 2-core
 machine, about a sixth of a decode step). "inverse_cdf": one uniform u per row, the first token whose float64
-cumulative probability exceeds u x the total (exact in law: a token's interval has width p_i); evaluation uses it
-(``evaluate.evaluate``), where nothing compares tokens with an earlier run."""
+cumulative probability exceeds u x the total (exact in law: a token's interval has width p_i); an evaluation can
+take it (``evaluate.EvalSpec.draw``; a run's evaluations keep the default, so their tokens repeat the recorded
+ones)."""
 
 
 def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
