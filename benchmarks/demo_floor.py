@@ -21,6 +21,7 @@ perfectly, and adds nothing for loading, the warm start, the counterfactual or t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -34,17 +35,20 @@ from lopti_lab.kk import build_prompt, load_split
 from lopti_lab.models import load_policy
 
 
-def mean_prompt(tokenizer, split: str, people, style: str, limit: int | None = None) -> float:
-    """Mean token count of the prompts of ``split`` for ``people`` (``limit`` per count)."""
+@functools.cache
+def mean_prompt(tokenizer, split: str, people: tuple[int, ...], style: str, limit: int | None = None) -> float:
+    """Mean token count of the prompts of ``split`` for ``people`` (``limit`` per count), tokenized as
+    ``rollout.sample`` does; computed once per split and settings (every run of a demo shares them)."""
     puzzles = load_split(split, people, limit=limit)
-    return sum(len(tokenizer(build_prompt(p, style, tokenizer)).input_ids) for p in puzzles) / len(puzzles)
+    lengths = [len(tokenizer(build_prompt(p, style, tokenizer), add_special_tokens=False).input_ids) for p in puzzles]
+    return sum(lengths) / len(lengths)
 
 
 def run_floors(run: Path, shape: Shape, tokenizer, rate: float) -> dict[str, list[float]]:
     """{phase: [recorded seconds, floor seconds]} summed over a run's steps."""
     config = json.loads((run / "config.json").read_text())
     style, group, rows = config["prompt_style"], config["group_size"], config["prompts_per_step"] * config["group_size"]
-    train_prompt = round(mean_prompt(tokenizer, "train", config["train_people"], style))
+    train_prompt = round(mean_prompt(tokenizer, "train", tuple(config["train_people"]), style))
     stages = 1 if config.get("lopti_eta") is None else 2  # Lopti: a pass over the low tokens, then the high
     out = {"generate": [0.0, 0.0], "update": [0.0, 0.0], "evaluation": [0.0, 0.0]}
     for line in (run / "metrics.jsonl").read_text().splitlines():
@@ -66,7 +70,7 @@ def run_floors(run: Path, shape: Shape, tokenizer, rate: float) -> dict[str, lis
 def eval_floor(record: dict, config: dict, shape: Shape, tokenizer) -> float:
     """FLOP of the evaluation recorded in ``record``: each prompt's forward once, every response token but the last."""
     people, size = config["eval_people"], config["eval_size"]
-    prompt = round(mean_prompt(tokenizer, "test", people, config["prompt_style"], limit=size))
+    prompt = round(mean_prompt(tokenizer, "test", tuple(people), config["prompt_style"], limit=size))
     puzzles = size * len(people)
     total = 0.0
     for mode, group in (("greedy", 1), ("sample", config["eval_samples"])):

@@ -276,7 +276,7 @@ def test_fused_step_is_the_modules_arithmetic(monkeypatch):
     runs = []
     for modules in (False, True):
         if modules:  # every projection and norm called as its module
-            monkeypatch.setattr(decode, "_norm", lambda module: module)
+            monkeypatch.setattr(decode, "norm", lambda module: module)
             monkeypatch.setattr(decode, "_fused", lambda ms: lambda h: torch.cat([m(h) for m in ms], -1))
         torch.manual_seed(4)
         with torch.inference_mode():

@@ -34,9 +34,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from lopti_lab.lean.forward import causal_lm, prefill, rotate, rotation_sign
+from lopti_lab.lean.forward import causal_lm, norm, prefill, rotate, rotation_sign
 
 __all__ = ["DEAD_SHARE", "DRAWS", "Decoded", "lean_generate", "pick_tokens", "top_p_filter"]
 
@@ -212,7 +211,7 @@ class _Cache:
 class _Layers:
     """A decoder's per-token arithmetic with the fewest operations: for each layer, [q | k | v] and [gate | up] as
     one matmul each (their weights concatenated once per generate call; every output element is the same dot
-    product as in the separate projections, bit for bit), RMSNorm as ``F.rms_norm`` (HF's float32 arithmetic, bit
+    product as in the separate projections, bit for bit), RMSNorm as ``forward.norm`` (HF's float32 arithmetic, bit
     for bit), the rotary embedding with rotate_half's sign moved onto sin (exact). A projection that is not a plain
     ``nn.Linear`` (a LoRA layer) is called as a module, its outputs concatenated."""
 
@@ -227,17 +226,17 @@ class _Layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 (
-                    _norm(layer.input_layernorm),
+                    norm(layer.input_layernorm),
                     _fused([attn.q_proj, attn.k_proj, attn.v_proj]),
                     _fused([attn.o_proj]),
-                    _norm(layer.post_attention_layernorm),
+                    norm(layer.post_attention_layernorm),
                     _fused([mlp.gate_proj, mlp.up_proj]),
                     mlp.act_fn,
                     _fused([mlp.down_proj]),
                     attn.scaling,
                 )
             )
-        self.norm = _norm(core.norm)
+        self.norm = norm(core.norm)
 
     def step(self, cache: _Cache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (b,) at ``positions`` (b,); append its keys and values; the last hidden state
@@ -274,15 +273,6 @@ def _fused(linears: list[torch.nn.Module]):
     if len(linears) == 1:
         return linears[0]
     return lambda h: torch.cat([m(h) for m in linears], -1)
-
-
-def _norm(module: torch.nn.Module):
-    """``F.rms_norm`` for a float32 Qwen2RMSNorm (the same arithmetic: float32, x * rsqrt(mean(x^2) + eps) * w),
-    else the module itself."""
-    weight = getattr(module, "weight", None)
-    if type(module) is Qwen2RMSNorm and weight is not None and weight.dtype == torch.float32:
-        return partial(F.rms_norm, normalized_shape=weight.shape, weight=weight, eps=module.variance_epsilon)
-    return module
 
 
 def lean_generate(

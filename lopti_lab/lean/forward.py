@@ -109,16 +109,22 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def norm(module: torch.nn.Module):
-    """A function of x computing ``module(x)``: ``_RMSNorm`` (the same values, a cheaper backward) for a float32
-    Qwen2RMSNorm called as its class defines it (no hook, no forward replaced on the instance: the float64 probe
-    replaces it), else the module itself."""
+    """A function of x computing ``module(x)`` with HF's values bit for bit, for a float32 Qwen2RMSNorm called as its
+    class defines it (no hook, no forward replaced on the instance: the float64 probe replaces it): ``_RMSNorm``
+    (a cheaper backward) where autograd records, else ``F.rms_norm`` (one call: the decode loop's per-token norms).
+    Any other norm: the module itself."""
     weight = getattr(module, "weight", None)
     plain = type(module) is Qwen2RMSNorm and "forward" not in vars(module)
     if not plain or module._forward_hooks or module._forward_pre_hooks or weight.dtype != torch.float32:
         return module
+    eps = module.variance_epsilon
 
     def rms_norm(x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, weight, module.variance_epsilon) if x.dtype == torch.float32 else module(x)
+        if x.dtype != torch.float32:
+            return module(x)
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _RMSNorm.apply(x, weight, eps)
+        return F.rms_norm(x, weight.shape, weight, eps)
 
     return rms_norm
 
